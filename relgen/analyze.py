@@ -51,6 +51,7 @@ class Plan:
     terms: tuple[str, ...]
     causal: bool
     heads_share_tables: bool
+    scale: str
     rows: int
     length_dependent: bool
     contiguous: bool
@@ -167,6 +168,7 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
         terms=spec.terms,
         causal=spec.causal,
         heads_share_tables=spec.heads_share_tables,
+        scale=str(spec.scale) if spec.scale is not None else "1/sqrt(d)",
         rows=num_rows,
         length_dependent=spec.map.length_dependent,
         contiguous=contiguous,
@@ -198,17 +200,20 @@ def _row_spans(rows: np.ndarray, deltas: np.ndarray) -> list[RowSpan]:
 
 
 def _saturation(rows: np.ndarray, deltas: np.ndarray, causal: bool) -> tuple[int, int]:
-    """Tightest L, U with φ constant on δ ≤ L and on δ ≥ U within the window."""
+    """Tightest L, U with φ constant on δ ≤ L and on δ ≥ U within the window.
+
+    Causal specs mask every key with δ < 0, so their bounds are those of the half window δ ∈ [0, N−1]: L ≥ 0
+    (column 0 collects δ ≤ L, of which only 0 … L are ever read), and the bounds do not change once N exceeds
+    them (clamping the full window's L to 0 instead would depend on N for maps with φ(0) = φ(1)).
+    """
+    if causal:
+        rows, deltas = rows[deltas >= 0], deltas[deltas >= 0]
     change = np.flatnonzero(np.diff(rows))
     if change.size == 0:
         low = high = 0
     else:
         low = int(deltas[change[0]])  # last offset of the first run
         high = int(deltas[change[-1] + 1])  # first offset of the last run
-    if causal:
-        # keys with δ < 0 are masked, so δ ≤ 0 holds only δ = 0: one column suffices below
-        low = max(low, 0)
-        high = max(high, low)
     return low, high
 
 

@@ -1,0 +1,573 @@
+"""Runtime: argument checking, call geometry, tile configurations, and the cache of compiled mechanisms.
+
+`compile_mechanism(spec)` renders the spec's module (codegen), writes it into the cache directory (Triton needs
+real source files) and imports it; calls then go through `Mechanism.__call__`, which picks the module planned
+for a long enough window (maps whose saturation sympy could not prove beyond the analysed window are re-planned
+for longer sequences).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import sympy
+import torch
+
+from relgen.analyze import Plan, analyze
+from relgen.expr import parse_expression
+from relgen.spec import MechanismSpec, load_spec
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what a generated module knows about its plan
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanInfo:
+    name: str
+    terms: tuple[str, ...]
+    causal: bool
+    shared_tables: bool
+    scale: str
+    length_dependent: bool
+    rows: int
+    low: int
+    high: int
+    copy_map: Any  # tuple β(s), or "identity" / "reversed" for identity maps
+    fold: Any  # ((first, count) per row) or None
+    path: str
+    valid_up_to: int | None
+
+    def rows_at(self, length: int) -> int:
+        return 2 * length - 1 if self.length_dependent else self.rows
+
+    def bounds_at(self, length: int) -> tuple[int, int]:
+        return (-(length - 1), length - 1) if self.length_dependent else (self.low, self.high)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tile configurations (issue: tuned lookup tables per GPU; here the defaults and the interpreter's)
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnTiles:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ProjectTiles:
+    block_t: int
+    block_w: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ReduceTiles:
+    block_t: int
+    block_w: int
+    block_s: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    group: int
+    forward: AttnTiles
+    backward: AttnTiles
+    project: ProjectTiles
+    reduce: ReduceTiles
+
+    def check(self) -> None:
+        tiles = (self.forward.block_m, self.forward.block_n, self.backward.block_m, self.backward.block_n,
+                 self.project.block_t, self.reduce.block_t)
+        bad = [t for t in tiles if self.group % t]
+        if bad:
+            raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
+
+
+#: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups.
+INTERPRETER_CONFIG = KernelConfig(
+    group=32,
+    forward=AttnTiles(32, 16),
+    backward=AttnTiles(16, 32),
+    project=ProjectTiles(16, 32),
+    reduce=ReduceTiles(16, 32, 16),
+)
+
+_override: list[KernelConfig] = []
+
+
+class override_config:  # noqa: N801 - used as a context manager like torch.no_grad
+    """Force a kernel configuration (tests, tuning): `with override_config(cfg): fn(...)`."""
+
+    def __init__(self, config: KernelConfig):
+        config.check()
+        self.config = config
+
+    def __enter__(self) -> KernelConfig:
+        _override.append(self.config)
+        return self.config
+
+    def __exit__(self, *exc: object) -> None:
+        _override.pop()
+
+
+def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+    """Resource heuristic for CUDA GPUs when no tuned entry exists."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    big_d = head_dim > 64
+    fp32 = dtype == torch.float32
+    fwd = AttnTiles(128 if not fp32 else 64, 64 if not big_d else 32, num_warps=8 if not fp32 else 4,
+                    num_stages=3 if not big_d else 2)
+    bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=4 if not big_d else 8, num_stages=2)
+    return KernelConfig(
+        group=128,
+        forward=fwd,
+        backward=bwd,
+        project=ProjectTiles(64, 64, num_warps=4, num_stages=2),
+        reduce=ReduceTiles(64, 64, 64 if not big_d else 32, num_warps=4, num_stages=2),
+    )
+
+
+def select_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+    if _override:
+        return _override[-1]
+    from relgen import tuning  # lookup tables (relgen tune writes them)
+
+    return tuning.lookup(dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
+
+
+def kernel_config(name: str, geo: Geometry) -> KernelConfig:
+    return geo.config
+
+
+def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
+    """How many fp32 partials the table reductions write: enough programs to fill the GPU, no more."""
+    if device.type != "cuda":
+        return min(items, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(items, math.ceil(2 * sms / max(column_programs, 1))))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry of one call
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reduction:
+    columns: int
+    width: int
+    win_base: int
+    fp32: bool
+    prec: str
+
+
+@dataclass(frozen=True)
+class Expanded:
+    aq: torch.Tensor | None  # Ã^Q = E·A^Q
+    ak: torch.Tensor | None
+    bias: torch.Tensor | None  # b̃ = E·b, fp32
+    aq_reduce: torch.Tensor | None  # what the reductions multiply dZ by (Ã, or A on the atomic path)
+    ak_reduce: torch.Tensor | None
+
+
+class GradientBuffer:
+    """One dZ̃ buffer shared by both backward passes (the query pass is reduced before the key pass starts)."""
+
+    def __init__(self, geo: Geometry, device: torch.device):
+        self.geo = geo
+        atomic = geo.path == "atomic"
+        self.dtype = torch.float32 if atomic else geo.dtype
+        wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
+        self.widths = (wq, wk)
+        size = geo.batch * geo.heads * max(geo.nq * wq, geo.nk * wk)
+        self.storage = torch.empty(size, device=device, dtype=self.dtype)
+
+    def width(self, query_side: bool) -> int:
+        return self.widths[0 if query_side else 1]
+
+    def _view(self, ntok: int, width: int) -> torch.Tensor:
+        g = self.geo
+        view = self.storage[: g.batch * g.heads * ntok * width].view(g.batch, g.heads, ntok, width)
+        return view.zero_()  # columns no key (query) reaches must read as zero in the reductions
+
+    def query_view(self) -> torch.Tensor:
+        return self._view(self.geo.nq, self.widths[0])
+
+    def key_view(self) -> torch.Tensor:
+        return self._view(self.geo.nk, self.widths[1])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here."""
+
+    plan: PlanInfo
+    batch: int
+    heads: int
+    nq: int
+    nk: int
+    head_dim: int
+    length: int
+    doff: int
+    dtype: torch.dtype
+    scale: float
+    dropout_p: float
+    seed: int
+    config: KernelConfig
+    low: int = 0
+    high: int = 0
+    c: int = 0
+    rows: int = 0
+    wq: int = 0
+    wk: int = 0
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
+        geo = cls(plan=plan, **kw)
+        low, high = plan.bounds_at(geo.length)
+        c = high - low + 1
+        g = geo.config.group
+        return replace(geo, low=low, high=high, c=c, rows=plan.rows_at(geo.length),
+                       wq=min(c, geo.nk + g - 1), wk=min(c, geo.nq + g - 1))
+
+    # derived scalars --------------------------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        return self.config.group
+
+    @property
+    def path(self) -> str:
+        return self.plan.path
+
+    @property
+    def shared_tables(self) -> bool:
+        return self.plan.shared_tables
+
+    @property
+    def qk_scale(self) -> float:
+        return self.scale * LOG2E  # exp2 in the kernels
+
+    @property
+    def q_win_base(self) -> int:
+        return self.doff - (self.nk - 1) - self.low
+
+    @property
+    def k_win_base(self) -> int:
+        return self.doff - (self.group - 1) - self.low
+
+    @property
+    def z_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == torch.float32 else torch.float16
+
+    @property
+    def clamp_fp16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    @property
+    def prec(self) -> str:
+        return "ieee"  # fp32 inputs stay exact (no tf32); ignored for fp16/bf16 operands
+
+    @property
+    def copy_beta(self) -> list[int] | None:
+        """β(s) for s ∈ [0, C), or None when β is the identity."""
+        beta = self.plan.copy_map
+        if beta == "identity":
+            return None
+        if beta == "reversed":
+            return list(range(self.c - 1, -1, -1))
+        if list(beta) == list(range(self.c)) and self.rows == self.c:
+            return None
+        return list(beta)
+
+    @property
+    def fold(self) -> Any:
+        if self.plan.path == "atomic":
+            return None
+        if self.plan.copy_map == "reversed":
+            return tuple((self.c - 1 - r, 1) for r in range(self.rows))
+        return self.plan.fold
+
+    def table_head_stride(self, table: torch.Tensor | None) -> int:
+        if table is None or self.shared_tables:
+            return 0
+        return table.stride(0)
+
+    def reduction(self, query_side: bool) -> Reduction:
+        if self.path == "atomic":
+            return Reduction(columns=self.rows, width=self.rows, win_base=0, fp32=True, prec="ieee")
+        width = self.wq if query_side else self.wk
+        base = self.q_win_base if query_side else self.k_win_base
+        return Reduction(columns=self.c, width=width, win_base=base, fp32=self.dtype == torch.float32,
+                         prec=self.prec)
+
+    # device tensors ---------------------------------------------------------------------------------------
+    def _cached(self, key: str, device: torch.device, make) -> Any:
+        k = (key, str(device))
+        if k not in self._cache:
+            self._cache[k] = make()
+        return self._cache[k]
+
+    def copy_map_tensor(self, device: torch.device) -> torch.Tensor:
+        beta = self.copy_beta or list(range(self.c))
+        return self._cached("beta", device, lambda: torch.tensor(beta, dtype=torch.int32, device=device))
+
+    def fold_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            runs = torch.tensor(self.fold, dtype=torch.int32, device=device).reshape(-1, 2)
+            return runs[:, 0].contiguous(), runs[:, 1].contiguous()
+
+        return self._cached("fold", device, make)
+
+    def expand(self, aq, ak, bias) -> Expanded:
+        """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
+        beta = self.copy_beta
+        index = None if beta is None else torch.tensor(beta, dtype=torch.long, device=(aq if aq is not None else ak if ak is not None else bias).device)
+
+        def copy(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return (t if index is None else t.index_select(dim, index)).contiguous()
+
+        aq_x, ak_x = copy(aq, -2), copy(ak, -2)
+        b_x = copy(bias, -1)
+        atomic = self.path == "atomic"
+        return Expanded(
+            aq=aq_x, ak=ak_x, bias=b_x.float() if b_x is not None else None,
+            aq_reduce=aq.contiguous() if atomic and aq is not None else aq_x,
+            ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
+        )
+
+    def gradient_buffer(self, device: torch.device) -> GradientBuffer:
+        return GradientBuffer(self, device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# argument checking
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    aq: torch.Tensor | None
+    ak: torch.Tensor | None
+    bias: torch.Tensor | None
+    kpm: torch.Tensor | None
+    geo: Geometry
+
+    def finish(self, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool):
+        if not return_lse:
+            return o
+        return o, lse2 * LN2
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t: Any, rank: int, expected: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {expected}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected shape {expected} (rank {rank}), got {_shape(t)}")
+    return t
+
+
+def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, *, key_padding_mask=None, cu_seqlens=None,
+                 max_seqlen=None, q_offset=0, k_offset=0, dropout_p=0.0, dropout_seed=None, scale=None) -> Call:
+    """Validate a call against the plan; every problem is a ValueError naming the argument."""
+    if cu_seqlens is not None or max_seqlen is not None:
+        raise NotImplementedError("packed sequences (cu_seqlens, max_seqlen) are not supported by this build yet")
+    q = _check_tensor("q", q, 4, "[B, H, Nq, d]")
+    b, h, nq, d = q.shape
+    k = _check_tensor("k", k, 4, f"[{b}, {h}, Nk, {d}]")
+    v = _check_tensor("v", v, 4, f"[{b}, {h}, Nk, {d}]")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    nk = k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
+            raise ValueError(f"{name}: expected shape [{b}, {h}, Nk, {d}] to match q {_shape(q)}, got {_shape(t)}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+    if v.shape[2] != nk:
+        raise ValueError(f"v: expected shape {_shape(k)} like k, got {_shape(v)}")
+    if nq < 1 or nk < 1:
+        raise ValueError(f"q, k: sequence lengths must be ≥ 1, got Nq={nq}, Nk={nk}")
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
+    length = max(q_offset + nq, k_offset + nk)
+    rows = plan.rows_at(length)
+
+    tables = {"aq": (aq, "query", 3), "ak": (ak, "key", 3), "bias": (bias, "bias", 2)}
+    checked: dict[str, torch.Tensor | None] = {}
+    for name, (t, term, rank) in tables.items():
+        shared = plan.shared_tables
+        expected = (f"[{rows}, {d}]" if shared else f"[{h}, {rows}, {d}]") if rank == 3 else (
+            f"[{rows}]" if shared else f"[{h}, {rows}]")
+        if term not in plan.terms:
+            if t is not None:
+                raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
+            checked[name] = None
+            continue
+        if t is None:
+            raise ValueError(f"{name}: required by the spec's '{term}' term, expected shape {expected}")
+        t = _check_tensor(name, t, rank - (1 if shared else 0), expected)
+        want = ((rows, d) if shared else (h, rows, d)) if rank == 3 else ((rows,) if shared else (h, rows))
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {expected}, got {_shape(t)}")
+        if rank == 3 and t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
+        if rank == 2 and not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+        checked[name] = t.contiguous()
+
+    kpm = None
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, nk):
+            got = _shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), "
+                             f"got {got}")
+        if m.device != q.device:
+            raise ValueError(f"key_padding_mask: must be on q's device ({q.device}), got {m.device}")
+        kpm = m.to(torch.int8).contiguous()
+
+    if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if dropout_seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    elif isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
+        seed = dropout_seed
+    else:
+        raise ValueError(f"dropout_seed: expected None or a non-negative int, got {dropout_seed!r}")
+    if scale is None:
+        tau = _spec_scale(plan.scale, d)
+    elif isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:
+        tau = float(scale)
+    else:
+        raise ValueError(f"scale: expected a positive number or None, got {scale!r}")
+
+    geo = Geometry.make(
+        plan, batch=b, heads=h, nq=nq, nk=nk, head_dim=d, length=length, doff=q_offset - k_offset,
+        dtype=q.dtype, scale=tau, dropout_p=float(dropout_p), seed=seed,
+        config=select_config(q.dtype, d, max(nq, nk)),
+    )
+    return Call(_lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v), checked["aq"],
+                checked["ak"], checked["bias"], kpm, geo)
+
+
+def _spec_scale(text: str, head_dim: int) -> float:
+    return float(parse_expression(text, ("d",)).subs(sympy.Symbol("d", integer=True), head_dim))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compiled mechanisms
+# ------------------------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    root = os.environ.get("RELGEN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "relgen"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_MODULES: dict[str, ModuleType] = {}
+
+
+def load_module(plan: Plan) -> ModuleType:
+    """Render, write and import the module of `plan` (cached by the source's hash)."""
+    from relgen import codegen
+
+    source = codegen.render(plan)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    if digest in _MODULES:
+        return _MODULES[digest]
+    module_name = f"relgen_generated_{plan.spec_name}_{digest}"
+    path = cache_dir() / f"{module_name}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    _MODULES[digest] = module
+    return module
+
+
+class Mechanism:
+    """The callable `compile_mechanism` returns: `fn(q, k, v, aq=None, ak=None, bias=None, **options)`."""
+
+    def __init__(self, spec: MechanismSpec):
+        self.spec = spec
+        self.plan = analyze(spec)
+        self.module = load_module(self.plan)
+        self._wider: dict[int, ModuleType] = {}
+
+    def module_for(self, window: int) -> ModuleType:
+        limit = self.module.PLAN.valid_up_to
+        if limit is None or window <= limit:
+            return self.module
+        n = 1 << (window - 1).bit_length()
+        if n not in self._wider:
+            self._wider[n] = load_module(analyze(self.spec, n))
+        return self._wider[n]
+
+    def __call__(self, q, k, v, aq=None, ak=None, bias=None, **options: Any):
+        window = 1
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 3 and k.dim() >= 3:
+            nq, nk = q.shape[-2], k.shape[-2]
+            window = max(options.get("q_offset", 0) + nq, options.get("k_offset", 0) + nk)
+        return self.module_for(window).attention(q, k, v, aq, ak, bias, **options)
+
+    def __repr__(self) -> str:
+        return f"<relgen mechanism {self.plan.summary()}>"
+
+
+_MECHANISMS: dict[str, Mechanism] = {}
+
+
+def compile_mechanism(spec: MechanismSpec | dict | str | Path) -> Mechanism:
+    """Compile (or fetch from the cache, keyed by the spec's hash) the kernels of `spec`."""
+    spec = load_spec(spec)
+    key = spec.spec_hash()
+    if key not in _MECHANISMS:
+        _MECHANISMS[key] = Mechanism(spec)
+    return _MECHANISMS[key]
