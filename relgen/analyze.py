@@ -247,18 +247,25 @@ def _prove_expression_saturation(
 
 
 def canonical_length(spec: MechanismSpec) -> int:
-    """Shortest power-of-two length from which the saturation bounds provably hold (identity maps: 128)."""
+    """The window code generation plans for: identity maps 128 (their bounds are runtime values); other maps the
+    shortest power of two whose bounds lie inside the window and are proven for every longer window, or, when
+    no proof is found, the shortest whose bounds agree with a 4× longer window (the runtime re-plans past it)."""
     if spec.map.length_dependent:
         return GROUP_SIZE
     n = 16
     while n <= MAX_CANONICAL_LENGTH:
-        deltas = np.arange(-(n - 1), n)
-        rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
-        low, high = _saturation(rows, deltas, spec.causal)
-        if high < n - 1 and low > -(n - 1) and _saturation_proven(spec, rows, deltas, low, high):
+        low, high, proven = _bounds(spec, n)
+        if high < n - 1 and low > -(n - 1) and (proven or _bounds(spec, 4 * n)[:2] == (low, high)):
             return n
         n *= 2
     return MAX_CANONICAL_LENGTH
+
+
+def _bounds(spec: MechanismSpec, n: int) -> tuple[int, int, bool]:
+    deltas = np.arange(-(n - 1), n)
+    rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
+    low, high = _saturation(rows, deltas, spec.causal)
+    return low, high, _saturation_proven(spec, rows, deltas, low, high)
 
 
 def _cost(spec: MechanismSpec, n: int, low: int, high: int, window: int, head_dim: int) -> dict[str, float]:

@@ -104,7 +104,10 @@ def format_source(source: str) -> str:
         return source
     done = subprocess.run(
         [ruff, "format", "--line-length", "120", "--stdin-filename", "generated.py", "-"],
-        input=source, capture_output=True, text=True, check=False,
+        input=source,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     return done.stdout if done.returncode == 0 else source
 

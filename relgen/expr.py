@@ -54,7 +54,23 @@ def parse_expression(text: str | float | int, variables: Iterable[str]) -> sympy
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as err:
         raise ExpressionError(f"cannot parse {text!r}: {err.msg}") from None
-    return _convert(tree.body, symbols, text)
+    try:
+        return _convert(tree.body, symbols, text)
+    except (TypeError, ArithmeticError) as err:  # e.g. sqrt() without its argument, Mod(d, 0)
+        raise ExpressionError(f"cannot evaluate {text!r}: {err}") from None
+
+
+#: Bounds on constant powers, so that a spec such as `9**9**9` is refused instead of computed exactly.
+_MAX_EXPONENT = 64
+_MAX_BASE = sympy.Integer(10) ** 100
+
+
+def _power(base: sympy.Expr, exponent: sympy.Expr, text: str) -> sympy.Expr:
+    if exponent.is_Number and (
+        abs(exponent) > _MAX_EXPONENT or (base.is_Number and abs(base) > _MAX_BASE and abs(exponent) > 1)
+    ):
+        raise ExpressionError(f"power too large in {text!r} (constant exponents are limited to ±{_MAX_EXPONENT})")
+    return base**exponent
 
 
 def _convert(node: ast.AST, symbols: dict[str, sympy.Symbol], text: str) -> sympy.Expr:
@@ -69,7 +85,10 @@ def _convert(node: ast.AST, symbols: dict[str, sympy.Symbol], text: str) -> symp
         allowed = ", ".join(sorted(symbols)) or "none"
         raise ExpressionError(f"unknown symbol {node.id!r} in {text!r} (allowed variables: {allowed})")
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return _BINARY[type(node.op)](_convert(node.left, symbols, text), _convert(node.right, symbols, text))
+        left, right = _convert(node.left, symbols, text), _convert(node.right, symbols, text)
+        if isinstance(node.op, ast.Pow):
+            return _power(left, right, text)
+        return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         operand = _convert(node.operand, symbols, text)
         return -operand if isinstance(node.op, ast.USub) else operand
@@ -78,4 +97,8 @@ def _convert(node: ast.AST, symbols: dict[str, sympy.Symbol], text: str) -> symp
             known = ", ".join(sorted(_FUNCTIONS))
             raise ExpressionError(f"unknown function {node.func.id!r} in {text!r} (known: {known})")
         return _FUNCTIONS[node.func.id](*(_convert(arg, symbols, text) for arg in node.args))
-    raise ExpressionError(f"unsupported syntax {ast.dump(node)[:60]!r} in {text!r}")
+    if isinstance(node, ast.Attribute):
+        raise ExpressionError(f"attribute access ({ast.unparse(node)[:40]!r}) is not allowed in {text!r}")
+    if isinstance(node, ast.Constant):
+        raise ExpressionError(f"only numbers are allowed as constants, got {node.value!r} in {text!r}")
+    raise ExpressionError(f"unsupported syntax ({type(node).__name__}: {ast.unparse(node)[:40]!r}) in {text!r}")

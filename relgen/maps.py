@@ -226,7 +226,7 @@ class ExpressionMap(_Map):
         if bad.any():
             at = int(np.flatnonzero(bad.ravel())[0])
             raise ValueError(
-                f"expr {self.expr!r} gives {values.ravel()[at]!r} at delta={int(np.ravel(delta)[at])}: "
+                f"expr {self.expr!r} gives {float(values.ravel()[at]):g} at delta={int(np.ravel(delta)[at])}: "
                 f"expected an integer in [0, rows={self.rows})"
             )
         return rounded.astype(np.int64)

@@ -98,8 +98,14 @@ class KernelConfig:
     reduce: ReduceTiles
 
     def check(self) -> None:
-        tiles = (self.forward.block_m, self.forward.block_n, self.backward.block_m, self.backward.block_n,
-                 self.project.block_t, self.reduce.block_t)
+        tiles = (
+            self.forward.block_m,
+            self.forward.block_n,
+            self.backward.block_m,
+            self.backward.block_n,
+            self.project.block_t,
+            self.reduce.block_t,
+        )
         bad = [t for t in tiles if self.group % t]
         if bad:
             raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
@@ -117,7 +123,7 @@ INTERPRETER_CONFIG = KernelConfig(
 _override: list[KernelConfig] = []
 
 
-class override_config:  # noqa: N801 - used as a context manager like torch.no_grad
+class override_config:
     """Force a kernel configuration (tests, tuning): `with override_config(cfg): fn(...)`."""
 
     def __init__(self, config: KernelConfig):
@@ -138,8 +144,12 @@ def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelCon
         return INTERPRETER_CONFIG
     big_d = head_dim > 64
     fp32 = dtype == torch.float32
-    fwd = AttnTiles(128 if not fp32 else 64, 64 if not big_d else 32, num_warps=8 if not fp32 else 4,
-                    num_stages=3 if not big_d else 2)
+    fwd = AttnTiles(
+        128 if not fp32 else 64,
+        64 if not big_d else 32,
+        num_warps=8 if not fp32 else 4,
+        num_stages=3 if not big_d else 2,
+    )
     bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=4 if not big_d else 8, num_stages=2)
     return KernelConfig(
         group=128,
@@ -249,8 +259,15 @@ class Geometry:
         low, high = plan.bounds_at(geo.length)
         c = high - low + 1
         g = geo.config.group
-        return replace(geo, low=low, high=high, c=c, rows=plan.rows_at(geo.length),
-                       wq=min(c, geo.nk + g - 1), wk=min(c, geo.nq + g - 1))
+        return replace(
+            geo,
+            low=low,
+            high=high,
+            c=c,
+            rows=plan.rows_at(geo.length),
+            wq=min(c, geo.nk + g - 1),
+            wk=min(c, geo.nq + g - 1),
+        )
 
     # derived scalars --------------------------------------------------------------------------------------
     @property
@@ -319,8 +336,7 @@ class Geometry:
             return Reduction(columns=self.rows, width=self.rows, win_base=0, fp32=True, prec="ieee")
         width = self.wq if query_side else self.wk
         base = self.q_win_base if query_side else self.k_win_base
-        return Reduction(columns=self.c, width=width, win_base=base, fp32=self.dtype == torch.float32,
-                         prec=self.prec)
+        return Reduction(columns=self.c, width=width, win_base=base, fp32=self.dtype == torch.float32, prec=self.prec)
 
     # device tensors ---------------------------------------------------------------------------------------
     def _cached(self, key: str, device: torch.device, make) -> Any:
@@ -343,7 +359,8 @@ class Geometry:
     def expand(self, aq, ak, bias) -> Expanded:
         """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
         beta = self.copy_beta
-        index = None if beta is None else torch.tensor(beta, dtype=torch.long, device=(aq if aq is not None else ak if ak is not None else bias).device)
+        some = next(t for t in (aq, ak, bias) if t is not None)
+        index = None if beta is None else self.copy_map_tensor(some.device).long()
 
         def copy(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
             if t is None:
@@ -354,7 +371,9 @@ class Geometry:
         b_x = copy(bias, -1)
         atomic = self.path == "atomic"
         return Expanded(
-            aq=aq_x, ak=ak_x, bias=b_x.float() if b_x is not None else None,
+            aq=aq_x,
+            ak=ak_x,
+            bias=b_x.float() if b_x is not None else None,
             aq_reduce=aq.contiguous() if atomic and aq is not None else aq_x,
             ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
         )
@@ -399,8 +418,24 @@ def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, *, key_padding_mask=None, cu_seqlens=None,
-                 max_seqlen=None, q_offset=0, k_offset=0, dropout_p=0.0, dropout_seed=None, scale=None) -> Call:
+def prepare_call(
+    plan: PlanInfo,
+    q,
+    k,
+    v,
+    aq,
+    ak,
+    bias,
+    *,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    q_offset=0,
+    k_offset=0,
+    dropout_p=0.0,
+    dropout_seed=None,
+    scale=None,
+) -> Call:
     """Validate a call against the plan; every problem is a ValueError naming the argument."""
     if cu_seqlens is not None or max_seqlen is not None:
         raise NotImplementedError("packed sequences (cu_seqlens, max_seqlen) are not supported by this build yet")
@@ -434,8 +469,11 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, *, key_padding_mask=None
     checked: dict[str, torch.Tensor | None] = {}
     for name, (t, term, rank) in tables.items():
         shared = plan.shared_tables
-        expected = (f"[{rows}, {d}]" if shared else f"[{h}, {rows}, {d}]") if rank == 3 else (
-            f"[{rows}]" if shared else f"[{h}, {rows}]")
+        expected = (
+            (f"[{rows}, {d}]" if shared else f"[{h}, {rows}, {d}]")
+            if rank == 3
+            else (f"[{rows}]" if shared else f"[{h}, {rows}]")
+        )
         if term not in plan.terms:
             if t is not None:
                 raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
@@ -460,8 +498,9 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, *, key_padding_mask=None
         m = key_padding_mask
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, nk):
             got = _shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
-            raise ValueError(f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), "
-                             f"got {got}")
+            raise ValueError(
+                f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), got {got}"
+            )
         if m.device != q.device:
             raise ValueError(f"key_padding_mask: must be on q's device ({q.device}), got {m.device}")
         kpm = m.to(torch.int8).contiguous()
@@ -482,12 +521,30 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, *, key_padding_mask=None
         raise ValueError(f"scale: expected a positive number or None, got {scale!r}")
 
     geo = Geometry.make(
-        plan, batch=b, heads=h, nq=nq, nk=nk, head_dim=d, length=length, doff=q_offset - k_offset,
-        dtype=q.dtype, scale=tau, dropout_p=float(dropout_p), seed=seed,
+        plan,
+        batch=b,
+        heads=h,
+        nq=nq,
+        nk=nk,
+        head_dim=d,
+        length=length,
+        doff=q_offset - k_offset,
+        dtype=q.dtype,
+        scale=tau,
+        dropout_p=float(dropout_p),
+        seed=seed,
         config=select_config(q.dtype, d, max(nq, nk)),
     )
-    return Call(_lastdim_contiguous(q), _lastdim_contiguous(k), _lastdim_contiguous(v), checked["aq"],
-                checked["ak"], checked["bias"], kpm, geo)
+    return Call(
+        _lastdim_contiguous(q),
+        _lastdim_contiguous(k),
+        _lastdim_contiguous(v),
+        checked["aq"],
+        checked["ak"],
+        checked["bias"],
+        kpm,
+        geo,
+    )
 
 
 def _spec_scale(text: str, head_dim: int) -> float:

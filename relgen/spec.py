@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +57,14 @@ class MechanismSpec(BaseModel):
         if len(set(terms)) != len(terms):
             raise ValueError(f"terms must not repeat, got {list(terms)}")
         return tuple(t for t in TERM_ORDER if t in terms)
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _scale_not_bool(cls, scale: Any) -> Any:
+        # pydantic would read `scale: true` as 1.0
+        if isinstance(scale, bool):
+            raise ValueError(f"expected a number or an expression in d, got {scale!r}")
+        return scale
 
     @field_validator("scale")
     @classmethod
@@ -108,16 +118,23 @@ def load_spec(source: MechanismSpec | dict[str, Any] | str | Path) -> MechanismS
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
+        where = f" line {mark.line + 1}:" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{origin}:{where}: unreadable YAML: {problem}") from None
+        context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+        if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+            problem += f" ({context} started at line {context_mark.line + 1})"
+        raise SpecError(f"{origin}:{where} unreadable YAML: {problem}") from None
+    if data is None:
+        raise SpecError(f"{origin}: the spec is empty: expected a mapping of spec fields (name, terms, map, ...)")
     if not isinstance(data, dict):
         raise SpecError(f"{origin}: expected a mapping of spec fields, got {type(data).__name__}")
     return _validate(data, origin=origin, nodes=node)
 
 
 def _read_text(source: str | Path) -> tuple[str, str]:
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))):
+    if isinstance(source, Path) or (
+        isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml"))
+    ):
         path = Path(source)
         try:
             return path.read_text(), str(path)
@@ -130,26 +147,57 @@ def _validate(data: dict[str, Any], origin: str, nodes: yaml.Node | None) -> Mec
     try:
         return MechanismSpec.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = [part for part in first["loc"] if isinstance(part, str | int)]
-        field = _field_path(loc)
+        errors = err.errors(include_url=False)
+        first = errors[0]
+        raw = [part for part in first["loc"] if isinstance(part, str | int)]
+        loc = _clean_loc(raw)
+        kind = raw[1] if len(raw) > len(loc) else None  # the map kind whose field failed
+        message = _message(first, loc, kind)
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc = [*loc, "kind"]
         line = _line_of(nodes, loc)
-        where = f" line {line}" if line is not None else ""
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown key"
-        more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-        raise SpecError(f"{origin}:{where}: field '{field}': {message}{more}") from None
+        where = f" line {line}:" if line is not None else ""
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise SpecError(f"{origin}:{where} field '{_field_path(loc)}': {message}{more}") from None
+
+
+@functools.cache
+def _map_kinds() -> dict[str, type[BaseModel]]:
+    """Map kind tag → its model class, in declaration order."""
+    classes = typing.get_args(typing.get_args(MapSpec)[0])
+    return {typing.get_args(cls.model_fields["kind"].annotation)[0]: cls for cls in classes}
+
+
+def _clean_loc(loc: list[str | int]) -> list[str | int]:
+    """pydantic puts the discriminator's tag into the location (map.log.position_buckets): drop it."""
+    if len(loc) >= 2 and loc[0] == "map" and loc[1] in _map_kinds():
+        return [loc[0], *loc[2:]]
+    return loc
+
+
+def _message(error: dict[str, Any], loc: list[str | int], map_kind: str | int | None) -> str:
+    kind, value = error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        owner = _map_kinds().get(str(map_kind)) if loc[0] == "map" else MechanismSpec
+        allowed = f" (allowed: {', '.join(owner.model_fields)})" if owner is not None and len(loc) <= 2 else ""
+        return f"unknown key{allowed}"
+    if kind == "union_tag_not_found":
+        return f"missing 'kind': one of {', '.join(_map_kinds())}"
+    if kind == "model_attributes_type" and loc == ["map"]:
+        return f"expected a mapping with a 'kind' (one of {', '.join(_map_kinds())}), got {value!r}"
+    if loc == ["terms"] and kind == "too_short":
+        return "must list at least one of query, key, bias"
+    message = error["msg"].removeprefix("Value error, ")
+    message = message.replace("a valid tuple", "a list").replace("Tuple should", "List should")
+    scalar = isinstance(value, str | int | float | bool)
+    if kind != "value_error" and scalar and repr(value) not in message and "got" not in message:
+        text = repr(value)
+        message += f", got {text if len(text) <= 60 else text[:57] + '...'}"
+    return message
 
 
 def _field_path(loc: list[str | int]) -> str:
-    # pydantic puts the discriminator's tag into the location (map.log.position_buckets): drop it
-    parts: list[str] = []
-    for i, part in enumerate(loc):
-        if i == 1 and loc[0] == "map" and isinstance(part, str) and len(loc) > 2:
-            continue
-        parts.append(f"[{part}]" if isinstance(part, int) else part)
-    return ".".join(parts).replace(".[", "[")
+    return ".".join(f"[{part}]" if isinstance(part, int) else part for part in loc).replace(".[", "[")
 
 
 def _line_of(node: yaml.Node | None, loc: list[str | int]) -> int | None:

@@ -1,0 +1,166 @@
+"""Compile every kernel a call launches for a GPU target, on a machine without a GPU.
+
+Runs the call in Triton's interpreter to record each launch (kernel, argument types, constexprs, warps, stages),
+then compiles each recorded launch for the target in a fresh process (no interpreter) and prints registers,
+spills and shared memory. Compile errors the interpreter forgives (non-constexpr globals, unsupported syntax)
+show up here without spending GPU time.
+
+    python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+TORCH_TYPES = {
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "int32": "i32",
+    "int8": "i8",
+    "int64": "i64",
+    "float64": "fp64",
+}
+
+
+def record(spec_path: str, dtype: str, seq_len: int, config_group: int) -> list[dict]:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from triton.runtime import interpreter
+
+    import relgen
+    from relgen import runtime
+
+    launches: list[dict] = []
+    original = interpreter.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        params = list(inspect.signature(fn).parameters.values())
+        signature, constexprs = {}, {}
+        values = dict(zip([p.name for p in params], args, strict=False))
+        values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+        for p in params:
+            value = values[p.name]
+            if "constexpr" in str(p.annotation):
+                signature[p.name] = "constexpr"
+                constexprs[p.name] = value
+            elif isinstance(value, torch.Tensor):
+                signature[p.name] = "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
+            elif isinstance(value, bool):
+                signature[p.name] = "i1"
+            elif isinstance(value, int):
+                signature[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            else:
+                signature[p.name] = "fp32"
+        launches.append(
+            {
+                "module": inspect.getsourcefile(fn),
+                "kernel": fn.__name__,
+                "signature": signature,
+                "constexprs": constexprs,
+                "num_warps": kwargs.get("num_warps", 4),
+                "num_stages": kwargs.get("num_stages", 2),
+            }
+        )
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+    spec = relgen.load_spec(spec_path)
+    gpu_cfg = runtime.default_config.__wrapped__ if hasattr(runtime.default_config, "__wrapped__") else None
+    del gpu_cfg
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    os.environ["TRITON_INTERPRET"] = "0"  # ask for the GPU tile configuration while still interpreting
+    cfg = runtime.default_config(torch_dtype, 64, seq_len)
+    os.environ["TRITON_INTERPRET"] = "1"
+    n = seq_len
+    rows = spec.map.num_rows(n)
+    shape = (rows, 64) if spec.heads_share_tables else (2, rows, 64)
+    tables = {}
+    if spec.has_query:
+        tables["aq"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
+    if spec.has_key:
+        tables["ak"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
+    if spec.has_bias:
+        tables["bias"] = torch.randn(shape[:-1], requires_grad=True)
+    q, k, v = (torch.randn(1, 2, n, 64, dtype=torch_dtype, requires_grad=True) for _ in range(3))
+    with runtime.override_config(cfg):
+        out = relgen.compile_mechanism(spec)(q, k, v, **tables)
+        out.sum().backward()
+    seen, unique = set(), []
+    for launch in launches:
+        key = json.dumps([launch["kernel"], launch["signature"], launch["constexprs"]], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            unique.append(launch)
+    return unique
+
+
+def compile_all(launches: list[dict], arch: int) -> int:
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = 0
+    modules = {}
+    for launch in launches:
+        path = launch["module"]
+        if path not in modules:
+            spec = importlib.util.spec_from_file_location(f"m{len(modules)}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            modules[path] = module
+        fn = getattr(modules[path], launch["kernel"])
+        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"])
+        opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+            md = compiled.metadata
+            n_regs = getattr(compiled, "n_regs", None)
+            print(
+                f"ok   {launch['kernel']:28s} warps={opts['num_warps']} stages={opts['num_stages']} "
+                f"shared={md.shared:6d}B regs={n_regs} spills={getattr(compiled, 'n_spills', None)}"
+            )
+        except Exception as err:  # report every kernel, not just the first failure
+            failures += 1
+            cause, chain = err, []
+            while cause is not None:
+                chain.append(f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:400]}")
+                cause = cause.__cause__ or cause.__context__
+            print(f"FAIL {launch['kernel']}: " + " <- ".join(chain))
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--seq-len", type=int, default=300)
+    parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.compile_from:
+        with open(args.compile_from) as f:
+            return 1 if compile_all(json.load(f), args.arch) else 0
+    launches = record(args.spec, args.dtype, args.seq_len, 128)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(launches, f, default=str)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, __file__, args.spec, "--arch", str(args.arch), "--compile-from", f.name], env=env, check=False
+    )
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Quick relgen-only timing on a GPU (a development aid; the benchmark that compares peers is `relgen bench`).
+
+python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import relgen
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dtype=torch.float16) -> dict:
+    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    b = max(1, tokens // n)
+    rows = spec.map.num_rows(n)
+    dev = "cuda"
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(dtype).requires_grad_()
+
+    q, k, v = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
+    tables = {}
+    if spec.has_query:
+        tables["aq"] = rand(h, rows, d, scale=0.5)
+    if spec.has_key:
+        tables["ak"] = rand(h, rows, d, scale=0.5)
+    if spec.has_bias:
+        tables["bias"] = torch.randn(h, rows, device=dev).requires_grad_()
+    fn = relgen.compile_mechanism(spec)
+    t = time.time()
+    out = fn(q, k, v, **tables)
+    leaves = [q, k, v, *tables.values()]
+    do = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, do, retain_graph=True)
+    torch.cuda.synchronize()
+    compile_s = time.time() - t
+    fwd = triton.testing.do_bench(lambda: fn(q, k, v, **tables), warmup=25, rep=100, return_mode="median")
+    bwd = triton.testing.do_bench(
+        lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), warmup=25, rep=100, return_mode="median"
+    )
+    projections = int(spec.has_query) + int(spec.has_key)
+    flops = 4 * b * h * n * n * d + 2 * b * h * n * rows * d * projections
+    with torch.no_grad():
+        qs, ks, vs = q.detach(), k.detach(), v.detach()
+        sdpa = triton.testing.do_bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs),
+            warmup=25,
+            rep=100,
+            return_mode="median",
+        )
+    return {
+        "spec": name,
+        "seq_len": n,
+        "batch": b,
+        "compile_s": round(compile_s, 1),
+        "fwd_ms": fwd,
+        "bwd_ms": bwd,
+        "fwd_tflops": flops / fwd * 1e-9,
+        "bwd_tflops": 2 * flops / bwd * 1e-9,
+        "sdpa_fwd_ms": sdpa,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-lens", default="1024,8192")
+    parser.add_argument("--specs", default="shaw,txl,deberta_v3,t5")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name in args.specs.split(","):
+        for n in (int(x) for x in args.seq_lens.split(",")):
+            try:
+                r = measure(name, n)
+            except Exception as err:  # report and go on: one broken kernel must not hide the others
+                r = {"spec": name, "seq_len": n, "error": f"{type(err).__name__}: {err}"[:400]}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Shared pytest setup: Triton's interpreter without a GPU, and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA:
+    # must happen before triton is first imported: kernels then run in Triton's interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Under pytest-xdist, a CUDA fault poisons its process (errors are sticky): end the worker so that the
+    fault is charged to the test that caused it and the next tests get a fresh worker."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.failed
+        and call.excinfo is not None
+        and os.environ.get("PYTEST_XDIST_WORKER")
+        and "CUDA" in f"{type(call.excinfo.value).__name__} {call.excinfo.value}"
+    ):
+        import sys
+
+        sys.stderr.write(f"\nCUDA fault in {item.nodeid}:\n{call.excinfo.getrepr(style='short')}\n")
+        sys.stderr.flush()
+        os._exit(3)

@@ -1,0 +1,162 @@
+"""Masks, positions, dropout, LSE and memory options of the generated kernels, against the FP64 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import assert_all_close, compare, make_inputs
+
+import relgen
+from relgen.testing import dropout_keep_mask
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SYMMETRIC = {
+    "name": "sym",
+    "terms": ["query", "key"],
+    "map": {"kind": "expression", "expr": "Min(Abs(delta), 9)", "rows": 10},
+}
+FEATURE_SPECS = ["shaw", "txl", "deberta_v3", "t5_decoder", SYMMETRIC]
+
+
+def load(name):
+    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
+
+
+def _id(name):
+    return name if isinstance(name, str) else name["name"]
+
+
+@pytest.mark.parametrize("name", FEATURE_SPECS, ids=_id)
+def test_key_padding_mask_with_a_fully_padded_row(name):
+    spec = load(name)
+    inputs = make_inputs(spec, b=3, h=2, nq=37, nk=37, d=16, device=DEVICE, seed=11)
+    mask = torch.ones(3, 37, dtype=torch.bool, device=DEVICE)
+    mask[1, 20:] = False
+    mask[2, :] = False  # nothing to attend to: output 0 and gradient 0, never NaN
+    assert_all_close(compare(spec, inputs, key_padding_mask=mask), f"{_id(name)} padding")
+    out = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, key_padding_mask=mask)
+    assert torch.all(out[2] == 0)
+
+
+@pytest.mark.parametrize("name", FEATURE_SPECS, ids=_id)
+@pytest.mark.parametrize(
+    ("nq", "nk", "q_offset", "k_offset"), [(1, 40, 39, 0), (16, 48, 32, 0), (20, 20, 0, 7), (33, 21, 5, 9)]
+)
+def test_position_offsets(name, nq, nk, q_offset, k_offset):
+    """KV-cache decoding (Nq = 1), chunked prefill, and keys that start later than the queries."""
+    spec = load(name)
+    length = max(q_offset + nq, k_offset + nk)
+    inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, seed=nq, length=length)
+    assert_all_close(
+        compare(spec, inputs, q_offset=q_offset, k_offset=k_offset), f"{_id(name)} offsets {q_offset},{k_offset}"
+    )
+
+
+def test_causal_offset_leaving_no_key_gives_zero():
+    spec = load("t5_decoder")
+    inputs = make_inputs(spec, b=1, h=2, nq=10, nk=30, d=16, device=DEVICE)
+    assert_all_close(compare(spec, inputs, k_offset=5), "rows 0..4 see no key")
+    out = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, k_offset=5)
+    assert torch.all(out[:, :, :5] == 0)
+
+
+@pytest.mark.parametrize("name", ["deberta_v3", "t5", SYMMETRIC], ids=_id)
+def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
+    spec = load(name)
+    b, h, n, p, seed = 2, 2, 45, 0.3, 1234
+    inputs = make_inputs(spec, b=b, h=h, nq=n, d=16, device=DEVICE, seed=2)
+    keep = dropout_keep_mask((b, h, n, n), p, seed, device=DEVICE)
+    assert 0.6 < keep.float().mean().item() < 0.8
+    results = compare(spec, inputs, dropout_p=p, dropout_seed=seed, keep_mask=keep)
+    assert_all_close(results, f"{_id(name)} dropout")
+
+
+def test_dropout_seed_none_follows_torch_generator():
+    spec = load("shaw")
+    inputs = make_inputs(spec, b=1, h=2, nq=33, d=16, device=DEVICE)
+    fn = relgen.compile_mechanism(spec)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.5))
+    assert torch.equal(outs[0], outs[1])
+    torch.manual_seed(8)
+    assert not torch.equal(outs[0], fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.5))
+
+
+@pytest.mark.parametrize("name", ["txl", "t5_decoder"])
+def test_return_lse(name):
+    spec = load(name)
+    inputs = make_inputs(spec, b=1, h=2, nq=30, nk=26, d=16, device=DEVICE)
+    fn = relgen.compile_mechanism(spec)
+    _, lse = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, return_lse=True, k_offset=4)
+    _, ref_lse = relgen.reference.attention(
+        spec, inputs.q, inputs.k, inputs.v, **inputs.tables, return_lse=True, k_offset=4
+    )
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 30)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", SYMMETRIC], ids=_id)
+def test_recompute_projections_gives_the_same_gradients(name):
+    spec = load(name)
+    inputs = make_inputs(spec, b=1, h=2, nq=40, d=16, device=DEVICE)
+    fn = relgen.compile_mechanism(spec)
+    leaves = list(inputs.leaves.values())
+    grads = []
+    for recompute in (False, True):
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, recompute_projections=recompute)
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_scale_override():
+    spec = load("deberta_v3")
+    inputs = make_inputs(spec, b=1, h=2, nq=20, d=16, device=DEVICE)
+    assert_all_close(compare(spec, inputs, scale=0.7), "scale=0.7")
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+def _bad_call(**changes):
+    spec = load("deberta_v3")
+    inputs = make_inputs(spec, b=2, h=2, nq=8, d=16, device=DEVICE)
+    args = {"q": inputs.q, "k": inputs.k, "v": inputs.v, **inputs.tables}
+    args.update(changes)
+    return relgen.compile_mechanism(spec), args
+
+
+@pytest.mark.parametrize(
+    ("changes", "argument"),
+    [
+        ({"q": torch.zeros(2, 2, 8)}, "q"),
+        ({"q": torch.zeros(2, 2, 8, 24)}, "q"),
+        ({"k": torch.zeros(2, 3, 8, 16)}, "k"),
+        ({"v": torch.zeros(2, 2, 9, 16)}, "v"),
+        ({"q": torch.zeros(2, 2, 8, 16, dtype=torch.float64)}, "q"),
+        ({"k": torch.zeros(2, 2, 8, 16, dtype=torch.float16)}, "k"),
+        ({"aq": None}, "aq"),
+        ({"aq": torch.zeros(2, 7, 16)}, "aq"),
+        ({"ak": torch.zeros(512, 16)}, "ak"),
+        ({"bias": torch.zeros(2, 512)}, "bias"),
+        ({"key_padding_mask": torch.ones(2, 7, dtype=torch.bool)}, "key_padding_mask"),
+        ({"key_padding_mask": torch.ones(2, 8)}, "key_padding_mask"),
+        ({"q_offset": -1}, "q_offset"),
+        ({"k_offset": 1.5}, "k_offset"),
+        ({"dropout_p": 1.0}, "dropout_p"),
+        ({"dropout_p": -0.1}, "dropout_p"),
+        ({"scale": 0.0}, "scale"),
+        ({"dropout_seed": -3}, "dropout_seed"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
+    fn, args = _bad_call(**changes)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    tables = {name: args.pop(name) for name in ("aq", "ak", "bias") if name in args}
+    with pytest.raises(ValueError, match=rf"^{argument}\b"):
+        fn(q, k, v, **tables, **args)
