@@ -568,6 +568,28 @@ def _window_start(group, GROUP: tl.constexpr, SIGN: tl.constexpr, base, C, W):
 
 
 @triton.jit
+def _window_base(SIGN: tl.constexpr, DOFF, nk, LOW, GROUP: tl.constexpr):
+    # query group g meets δ ≥ gG + DOFF − (Nk − 1); key group h meets δ ≥ DOFF − (hG + G − 1)
+    if SIGN == 1:
+        return DOFF - (nk - 1) - LOW
+    else:
+        return DOFF - (GROUP - 1) - LOW
+
+
+@triton.jit
+def _sequence(bh, H, CU, Nq, Nk, TOTAL, VARLEN: tl.constexpr):
+    """Where the sequence of program (batch·head) `bh` lives: its first token, its Nq and Nk, and the rows of its
+    first query and first key in the internal buffers. Packed sequences take lengths from cu_seqlens."""
+    if VARLEN:
+        tok0 = tl.load(CU + bh // H)
+        n = tl.load(CU + bh // H + 1) - tok0
+        row0 = (bh % H) * TOTAL + tok0
+        return tok0, n, n, row0, row0
+    else:
+        return bh * 0, Nq, Nk, bh * Nq, bh * Nk
+
+
+@triton.jit
 def _cdiv_nonneg(a, b):
     # callers only need ⌈a/b⌉ for a ≥ 0; clamping first keeps integer division sign-free
     return (tl.maximum(a, 0) + b - 1) // b
@@ -668,16 +690,20 @@ def _project_kernel(
     TABLE,
     BIAS,
     Z,
+    CU,
     sx_b,
     sx_h,
     sx_n,
     st_h,
     sb_h,
     H,
-    Ntok,
+    Nq,
+    Nk,
+    TOTAL,
+    DOFF,
+    LOW,
     C,
     W,
-    win_base,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -685,22 +711,27 @@ def _project_kernel(
     SIGN: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     CLAMP_FP16: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
+    tok0, nq, nk, row_q, row_k = _sequence(pid_bh, H, CU, Nq, Nk, TOTAL, VARLEN)
+    Ntok = nq if SIGN == 1 else nk
+    row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, HEAD_DIM)
-    start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, win_base, C, W)
-    x = tl.load(X + b * sx_b + h * sx_h + offs_t[:, None] * sx_n + offs_d[None, :], mask=offs_t[:, None] < Ntok)
+    start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
+    X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
+    x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=offs_t[:, None] < Ntok)
     table = tl.load(TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_w[:, None] < W)
     z = tl.dot(x, tl.trans(table), input_precision=PREC)
     if FOLD_BIAS:
         z += tl.load(BIAS + h * sb_h + start + offs_w, mask=offs_w < W, other=0.0)[None, :]
     if CLAMP_FP16:
         z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
-    z_ptrs = Z + pid_bh.to(tl.int64) * Ntok * W + offs_t[:, None] * W + offs_w[None, :]
+    z_ptrs = Z + (row0.to(tl.int64) + offs_t[:, None]) * W + offs_w[None, :]
     tl.store(z_ptrs, z.to(Z.dtype.element_ty), mask=(offs_t[:, None] < Ntok) & (offs_w[None, :] < W))
 
 
@@ -728,6 +759,8 @@ def _fwd_range(
     bh,
     seed,
     dropout_p,
+    rng_nq,
+    rng_nk,
     Nq,
     Nk,
     DOFF,
@@ -787,7 +820,8 @@ def _fwd_range(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, bh, offs_m, offs_n, Nq, Nk, dropout_p), p / (1.0 - dropout_p), 0.0)
+            keep = dropout_keep(seed, bh, offs_m, offs_n, rng_nq, rng_nk, dropout_p)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -804,6 +838,7 @@ def _attn_fwd_kernel(
     ZK,
     BIAS,
     KPM,
+    CU,
     sq_b,
     sq_h,
     sq_n,
@@ -821,16 +856,15 @@ def _attn_fwd_kernel(
     seed,
     dropout_p,
     H,
-    Nq,
-    Nk,
+    Nq_all,
+    Nk_all,
+    TOTAL,
     DOFF,
     LOW,
     HIGH,
     C,
     WQ,
     WK,
-    q_win_base,
-    k_win_base,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -839,27 +873,31 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :], mask=offs_m[:, None] < Nq)
-    s0 = _window_start(i0 // GROUP, GROUP, 1, q_win_base, C, WQ)
-    zq_bh = ZQ + bh.to(tl.int64) * Nq * WQ
-    ZK_b = ZK + bh.to(tl.int64) * Nk * WK
+    tok0 = tok0.to(tl.int64)
+    q = tl.load(Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :], mask=offs_m[:, None] < Nq)
+    k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
+    s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
+    zq_bh = ZQ + row_q.to(tl.int64) * WQ
+    ZK_b = ZK + row_k.to(tl.int64) * WK
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + h * sk_h
-    V_bh = V + b * sv_b + h * sv_h
+    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale)
+    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale)
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
@@ -978,11 +1016,11 @@ def _attn_fwd_kernel(
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     row_ok = offs_m < Nq
     tl.store(
-        O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :],
+        O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :],
         out.to(O.dtype.element_ty),
         mask=row_ok[:, None],
     )
-    tl.store(LSE + bh.to(tl.int64) * Nq + offs_m, lse2, mask=row_ok)
+    tl.store(LSE + row_q.to(tl.int64) + offs_m, lse2, mask=row_ok)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -990,24 +1028,43 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA, so_b, so_h, so_n, sdo_b, sdo_h, sdo_n, H, Nq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr
+    O,
+    DO,
+    DELTA,
+    CU,
+    so_b,
+    so_h,
+    so_n,
+    sdo_b,
+    sdo_h,
+    sdo_n,
+    H,
+    Nq_all,
+    TOTAL,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
+    """D_i = rowsum(dO ∘ O)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    tok0, Nq, _, row_q, _ = _sequence(bh, H, CU, Nq_all, Nq_all, TOTAL, VARLEN)
+    tok0 = tok0.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = offs_m[:, None] < Nq
-    o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * Nq + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)
+    o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)
 
 
 @triton.jit
-def _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, Nq, Nk, DROPOUT: tl.constexpr):
+def _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT: tl.constexpr):
     """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P."""
     p = tl.exp2(s - lse2[:, None])
     if DROPOUT:
-        p_kept = tl.where(dropout_keep(seed, bh, offs_m, offs_n, Nq, Nk, dropout_p), p / (1.0 - dropout_p), 0.0)
+        keep = dropout_keep(seed, bh, offs_m, offs_n, rng_nq, rng_nk, dropout_p)
+        p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     else:
         p_kept = p
     return p, p_kept
@@ -1039,6 +1096,8 @@ def _bwd_q_range(
     bh,
     seed,
     dropout_p,
+    rng_nq,
+    rng_nk,
     Nq,
     Nk,
     DOFF,
@@ -1093,7 +1152,7 @@ def _bwd_q_range(
             HAS_KPM,
             PREC,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, Nq, Nk, DROPOUT)
+        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -1129,6 +1188,7 @@ def _attn_bwd_q_kernel(
     DQ,
     DZQ,
     COPY_MAP,
+    CU,
     sq_b,
     sq_h,
     sq_n,
@@ -1149,8 +1209,9 @@ def _attn_bwd_q_kernel(
     seed,
     dropout_p,
     H,
-    Nq,
-    Nk,
+    Nq_all,
+    Nk_all,
+    TOTAL,
     DOFF,
     LOW,
     HIGH,
@@ -1158,8 +1219,6 @@ def _attn_bwd_q_kernel(
     WQ,
     WK,
     WDZ,
-    q_win_base,
-    k_win_base,
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
@@ -1169,34 +1228,38 @@ def _attn_bwd_q_kernel(
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    tok0 = tok0.to(tl.int64)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None])
-    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None])
-    lse2 = tl.load(LSE + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=float("inf"))
+    q = tl.load(Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :], mask=row_ok[:, None])
+    do = tl.load(DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=row_ok[:, None])
+    lse2 = tl.load(LSE + row_q.to(tl.int64) + offs_m, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
-    Di = tl.load(DELTA + bh.to(tl.int64) * Nq + offs_m, mask=row_ok, other=0.0)
-    s0 = _window_start(i0 // GROUP, GROUP, 1, q_win_base, C, WQ)
-    zq_bh = ZQ + bh.to(tl.int64) * Nq * WQ
-    ZK_b = ZK + bh.to(tl.int64) * Nk * WK
-    dzq_rows = DZQ + bh.to(tl.int64) * Nq * WDZ + offs_m * WDZ
+    Di = tl.load(DELTA + row_q.to(tl.int64) + offs_m, mask=row_ok, other=0.0)
+    k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
+    s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
+    zq_bh = ZQ + row_q.to(tl.int64) * WQ
+    ZK_b = ZK + row_k.to(tl.int64) * WK
+    dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + h * sk_h
-    V_bh = V + b * sv_b + h * sv_h
+    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale, tau)
+    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale, tau)
     common = (q, do, lse2, Di, K_bh, V_bh, sk_n, sv_n, offs_m, zq_bh, ZK_b, bias_h, kpm_b, dzq_rows, COPY_MAP, s0)
     dq, hi_sum, lo_sum = _bwd_q_range(
         dq,
@@ -1271,7 +1334,7 @@ def _attn_bwd_q_kernel(
         PREC,
     )
     tl.store(
-        DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_n + offs_d[None, :],
+        DQ + b * sdq_b + h * sdq_h + (tok0 + offs_m[:, None]) * sdq_n + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
         mask=row_ok[:, None],
     )
@@ -1315,6 +1378,8 @@ def _bwd_kv_range(
     bh,
     seed,
     dropout_p,
+    rng_nq,
+    rng_nk,
     Nq,
     Nk,
     DOFF,
@@ -1372,7 +1437,7 @@ def _bwd_kv_range(
             HAS_KPM,
             PREC,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, Nq, Nk, DROPOUT)
+        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT)
         dv += tl.dot(tl.trans(p_kept).to(do.dtype), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
@@ -1396,6 +1461,7 @@ def _attn_bwd_kv_kernel(
     DV,
     DZK,
     COPY_MAP,
+    CU,
     sq_b,
     sq_h,
     sq_n,
@@ -1419,8 +1485,9 @@ def _attn_bwd_kv_kernel(
     seed,
     dropout_p,
     H,
-    Nq,
-    Nk,
+    Nq_all,
+    Nk_all,
+    TOTAL,
     DOFF,
     LOW,
     HIGH,
@@ -1428,8 +1495,6 @@ def _attn_bwd_kv_kernel(
     WQ,
     WK,
     WDZ,
-    q_win_base,
-    k_win_base,
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
@@ -1439,34 +1504,40 @@ def _attn_bwd_kv_kernel(
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    tok0 = tok0.to(tl.int64)
     j0 = pid_n * BLOCK_N
     offs_n = j0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < Nk
-    k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    t0 = _window_start(j0 // GROUP, GROUP, -1, k_win_base, C, WK)
-    ZQ_b = ZQ + bh.to(tl.int64) * Nq * WQ
-    zk_bh = ZK + bh.to(tl.int64) * Nk * WK
-    dzk_rows = DZK + bh.to(tl.int64) * Nk * WDZ + offs_n * WDZ
+    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
+    t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
+    ZQ_b = ZQ + row_q.to(tl.int64) * WQ
+    zk_bh = ZK + row_k.to(tl.int64) * WK
+    dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    Q_bh = Q + b * sq_b + h * sq_h
-    DO_bh = DO + b * sdo_b + h * sdo_h
-    LSE_bh = LSE + bh.to(tl.int64) * Nq
-    DELTA_bh = DELTA + bh.to(tl.int64) * Nq
+    Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
+    DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
+    LSE_bh = LSE + row_q.to(tl.int64)
+    DELTA_bh = DELTA + row_q.to(tl.int64)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, q_win_base, qk_scale, tau)
+    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, q_win_base, qk_scale, tau)
     common = (
         k,
         v,
@@ -1562,12 +1633,12 @@ def _attn_bwd_kv_kernel(
         PREC,
     )
     tl.store(
-        DK + b * sdk_b + h * sdk_h + offs_n[:, None] * sdk_n + offs_d[None, :],
+        DK + b * sdk_b + h * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=col_ok[:, None],
     )
     tl.store(
-        DV + b * sdv_b + h * sdv_h + offs_n[:, None] * sdv_n + offs_d[None, :],
+        DV + b * sdv_b + h * sdv_h + (tok0 + offs_n[:, None]) * sdv_n + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None],
     )
@@ -1582,35 +1653,43 @@ def _reduce_tokens_kernel(
     DZ,
     TABLE,
     DX,
+    CU,
     sdx_b,
     sdx_h,
     sdx_n,
     st_h,
     H,
-    Ntok,
+    Nq_all,
+    Nk_all,
+    TOTAL,
+    DOFF,
+    LOW,
     C,
     W,
     WDZ,
-    win_base,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     GROUP: tl.constexpr,
     SIGN: tl.constexpr,
     FP32_DZ: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """dX_t = (direct part) + Σ_w dZ̃[t, w] · Ã[start + w]: the token's own window only."""
+    """dX_t = (direct part) + Σ_w dZ̃[t, w] · Ã[start + w]: the token's own window only.
+    DX_PART has DX's shape and strides (fp32)."""
     pid_t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
+    tok0, nq, nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    Ntok = nq if SIGN == 1 else nk
+    row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, HEAD_DIM)
     t_ok = offs_t < Ntok
-    start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, win_base, C, W)
-    acc = tl.load(
-        DX_PART + (bh.to(tl.int64) * Ntok + offs_t[:, None]) * HEAD_DIM + offs_d[None, :], mask=t_ok[:, None], other=0.0
-    )
-    dz_rows = DZ + bh.to(tl.int64) * Ntok * WDZ + offs_t * WDZ
+    start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
+    x_rows = b * sdx_b + h * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
+    acc = tl.load(DX_PART + x_rows, mask=t_ok[:, None], other=0.0)
+    dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
     for w0 in range(0, W, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
@@ -1621,11 +1700,7 @@ def _reduce_tokens_kernel(
         if FP32_DZ:
             a = a.to(tl.float32)
         acc += tl.dot(dz, a, input_precision=PREC)
-    tl.store(
-        DX + b * sdx_b + h * sdx_h + offs_t[:, None] * sdx_n + offs_d[None, :],
-        acc.to(DX.dtype.element_ty),
-        mask=t_ok[:, None],
-    )
+    tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=t_ok[:, None])
 
 
 @triton.jit
@@ -1634,15 +1709,19 @@ def _reduce_table_kernel(
     X,
     DT_PART,
     DB_PART,
+    CU,
     sx_b,
     sx_h,
     sx_n,
     H,
-    Ntok,
+    Nq_all,
+    Nk_all,
+    TOTAL,
+    DOFF,
+    LOW,
     C,
     W,
     WDZ,
-    win_base,
     items_per_chunk,
     n_items,
     HEAD_DIM: tl.constexpr,
@@ -1654,6 +1733,7 @@ def _reduce_table_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_DB: tl.constexpr,
     FP32_DZ: tl.constexpr,
+    VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
@@ -1664,7 +1744,6 @@ def _reduce_table_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_S, HEAD_DIM], tl.float32)
     acc_b = tl.zeros([BLOCK_S], tl.float32)
-    n_groups = tl.cdiv(Ntok, GROUP)
     item_end = tl.minimum((pid_c + 1) * items_per_chunk, n_items)
     for item in range(pid_c * items_per_chunk, item_end):
         if SHARED:
@@ -1672,8 +1751,13 @@ def _reduce_table_kernel(
         else:
             bh = item * H + pid_h
         b, h = bh // H, bh % H
-        dz_bh = DZ + bh.to(tl.int64) * Ntok * WDZ
-        for g in range(0, n_groups):
+        tok0, nq, nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        Ntok = nq if SIGN == 1 else nk
+        row0 = row_q if SIGN == 1 else row_k
+        win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
+        dz_bh = DZ + row0.to(tl.int64) * WDZ
+        X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
+        for g in range(0, tl.cdiv(Ntok, GROUP)):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
             if (start < s_lo + BLOCK_S) & (start + W > s_lo):  # this group's window meets the column block
                 cols = offs_s - start
@@ -1685,11 +1769,7 @@ def _reduce_table_kernel(
                         dz_bh + offs_t[:, None] * WDZ + cols[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0
                     )
                     if HAS_TABLE:
-                        x = tl.load(
-                            X + b * sx_b + h * sx_h + offs_t[:, None] * sx_n + offs_d[None, :],
-                            mask=t_ok[:, None],
-                            other=0.0,
-                        )
+                        x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None], other=0.0)
                         if FP32_DZ:
                             x = x.to(tl.float32)
                         acc += tl.dot(tl.trans(dz), x, input_precision=PREC)
@@ -1731,13 +1811,19 @@ def _fold_copies_kernel(
 # host side
 # ------------------------------------------------------------------------------------------------------------
 def _strides(t):
-    return t.stride(0), t.stride(1), t.stride(2)
+    """(batch, head, token) strides: [B, H, N, d] tensors, or packed [total, H, d] ones (no batch stride)."""
+    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
+
+
+def _sizes(geo):
+    """Scalars every kernel reads to locate a sequence (packed or not)."""
+    return geo.heads, geo.nq, geo.nk, geo.total
 
 
 def _project(x, table, bias, geo, cfg, query_side):
-    """Stored projection Z̃ [B, H, N, W] of x onto its groups' windows of the expanded table."""
+    """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table."""
     ntok, width = (geo.nq, geo.wq) if query_side else (geo.nk, geo.wk)
-    z = torch.empty((geo.batch, geo.heads, ntok, width), device=x.device, dtype=geo.z_dtype)
+    z = torch.empty((geo.token_rows(query_side), width), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
     grid = (triton.cdiv(width, c.block_w), triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
     _project_kernel[grid](
@@ -1745,14 +1831,15 @@ def _project(x, table, bias, geo, cfg, query_side):
         table,
         bias if bias is not None else table,
         z,
+        geo.cu_seqlens_or(z),
         *_strides(x),
         geo.table_head_stride(table),
         geo.table_head_stride(bias),
-        geo.heads,
-        ntok,
+        *_sizes(geo),
+        geo.doff,
+        geo.low,
         geo.c,
         width,
-        geo.q_win_base if query_side else geo.k_win_base,
         HEAD_DIM=geo.head_dim,
         BLOCK_T=c.block_t,
         BLOCK_W=c.block_w,
@@ -1760,6 +1847,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         SIGN=1 if query_side else -1,
         FOLD_BIAS=bias is not None,
         CLAMP_FP16=geo.clamp_fp16,
+        VARLEN=geo.varlen,
         PREC=geo.prec,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
@@ -1774,12 +1862,12 @@ def _projections(q, k, expanded, geo, cfg):
 
 
 def _scalar_args(geo):
-    return (geo.seed, geo.dropout_p, geo.heads, geo.nq, geo.nk, geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk)
+    return (geo.seed, geo.dropout_p, *_sizes(geo), geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk)
 
 
 def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
     o = torch.empty_like(q)
-    lse2 = torch.empty((geo.batch, geo.heads, geo.nq), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty(geo.token_rows(True), device=q.device, dtype=torch.float32)
     c = cfg.forward
     dummy = lse2
     bias_vec = expanded.bias if False else None
@@ -1794,6 +1882,7 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         zk if zk is not None else dummy,
         bias_vec if bias_vec is not None else dummy,
         kpm if kpm is not None else dummy,
+        geo.cu_seqlens_or(dummy),
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -1801,8 +1890,6 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         kpm.stride(0) if kpm is not None else 0,
         geo.table_head_stride(bias_vec),
         *_scalar_args(geo),
-        geo.q_win_base,
-        geo.k_win_base,
         geo.qk_scale,
         HEAD_DIM=geo.head_dim,
         BLOCK_M=c.block_m,
@@ -1811,6 +1898,7 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         CAUSAL=False,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_p > 0,
+        VARLEN=geo.varlen,
         PREC=geo.prec,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
@@ -1823,6 +1911,8 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
     ntok = geo.nq if query_side else geo.nk
     red = geo.reduction(query_side)
     c = cfg.reduce
+    cu = geo.cu_seqlens_or(dz)
+    sign = 1 if query_side else -1
     if want_table:
         grid = (triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
         _reduce_tokens_kernel[grid](
@@ -1830,20 +1920,22 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
             dz,
             table,
             dx,
+            cu,
             *_strides(dx),
             geo.table_head_stride(table),
-            geo.heads,
-            ntok,
+            *_sizes(geo),
+            red.doff,
+            red.low,
             red.columns,
             red.width,
             red.width,
-            red.win_base,
             HEAD_DIM=geo.head_dim,
             BLOCK_T=c.block_t,
             BLOCK_W=c.block_w,
             GROUP=geo.group,
-            SIGN=1 if query_side else -1,
+            SIGN=sign,
             FP32_DZ=red.fp32,
+            VARLEN=geo.varlen,
             PREC=red.prec,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
@@ -1860,24 +1952,26 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         x,
         dt_part,
         db_part,
+        cu,
         *_strides(x),
-        geo.heads,
-        ntok,
+        *_sizes(geo),
+        red.doff,
+        red.low,
         red.columns,
         red.width,
         red.width,
-        red.win_base,
         per_chunk,
         items,
         HEAD_DIM=geo.head_dim,
         BLOCK_S=c.block_s,
         BLOCK_T=c.block_t,
         GROUP=geo.group,
-        SIGN=1 if query_side else -1,
+        SIGN=sign,
         SHARED=geo.shared_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
+        VARLEN=geo.varlen,
         PREC=red.prec,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
@@ -1923,18 +2017,22 @@ def _fold(dt, db, table_like, bias_like, geo):
 def _backward(do, saved, geo, cfg):
     q, k, v, o, lse2, aq, ak, bias, kpm, zq, zk, expanded = saved
     dummy = lse2
+    cu = geo.cu_seqlens_or(dummy)
     delta = torch.empty_like(lse2)
     c = cfg.backward
     _bwd_preprocess_kernel[(triton.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         o,
         do,
         delta,
+        cu,
         *_strides(o),
         *_strides(do),
         geo.heads,
         geo.nq,
+        geo.total,
         HEAD_DIM=geo.head_dim,
         BLOCK_M=c.block_m,
+        VARLEN=geo.varlen,
     )
     dz = geo.gradient_buffer(q.device)
     bias_vec = expanded.bias if False else None
@@ -1954,6 +2052,7 @@ def _backward(do, saved, geo, cfg):
         CAUSAL=False,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_p > 0,
+        VARLEN=geo.varlen,
         PREC=geo.prec,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
@@ -1974,6 +2073,7 @@ def _backward(do, saved, geo, cfg):
         dq_part,
         dzq,
         copy_map,
+        cu,
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -1983,8 +2083,6 @@ def _backward(do, saved, geo, cfg):
         *_strides(dq_part),
         *_scalar_args(geo),
         dz.width(True),
-        geo.q_win_base,
-        geo.k_win_base,
         geo.qk_scale,
         geo.scale,
         **meta,
@@ -2010,6 +2108,7 @@ def _backward(do, saved, geo, cfg):
         dv,
         dzk,
         copy_map,
+        cu,
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -2020,8 +2119,6 @@ def _backward(do, saved, geo, cfg):
         *_strides(dv),
         *_scalar_args(geo),
         dz.width(False),
-        geo.q_win_base,
-        geo.k_win_base,
         geo.qk_scale,
         geo.scale,
         **meta,
@@ -2072,7 +2169,7 @@ def attention(
     recompute_projections=False,
     return_lse=False,
 ):
-    """shaw: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Shapes: docs in relgen.runtime."""
+    """shaw: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
     call = _rt.prepare_call(
         PLAN,
         q,
@@ -2090,8 +2187,16 @@ def attention(
         dropout_seed=dropout_seed,
         scale=scale,
     )
-    cfg = _rt.kernel_config(SPEC_NAME, call.geo)
     o, lse2 = _Attention.apply(
-        call.q, call.k, call.v, call.aq, call.ak, call.bias, call.kpm, call.geo, cfg, not recompute_projections
+        call.q,
+        call.k,
+        call.v,
+        call.aq,
+        call.ak,
+        call.bias,
+        call.kpm,
+        call.geo,
+        call.geo.config,
+        not recompute_projections,
     )
     return call.finish(o, lse2, return_lse)

@@ -3,9 +3,9 @@
     relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON)
     relgen validate SPEC...                        load and analyze each spec, one line per spec
     relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.codegen.cli_build)
-    relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.runtime.cli_check)
-    relgen tune SPEC... [--out PATH]               tile configurations                (relgen.runtime.cli_tune)
-    relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.runtime.cli_warmup)
+    relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.verify.cli_check)
+    relgen tune SPEC... [--out PATH]               tile configurations, CUDA only     (relgen.tune.cli_tune)
+    relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.tune.cli_warmup)
     relgen bench ...                               passed through to relgen.bench.cli.main
 
 A spec that cannot be loaded or analyzed (`SpecError`, `ValueError`) ends the command with one line on stderr,
@@ -31,14 +31,15 @@ from relgen.spec import MechanismSpec, SpecError, load_spec
 #: Exit status of a command stopped by a bad spec, a bad argument or a missing subcommand.
 EXIT_ERROR = 2
 DEFAULT_SEQ_LEN = 1024
+DTYPE_CHOICES = ("fp16", "bf16", "fp32")
 
 #: Subcommands implemented elsewhere: name → (module, function). Each function takes the argparse Namespace and
 #: returns an exit status. They are imported only when their subcommand runs (they pull in triton).
 HOOKS: dict[str, tuple[str, str]] = {
     "build": ("relgen.codegen", "cli_build"),
-    "check": ("relgen.runtime", "cli_check"),
-    "tune": ("relgen.runtime", "cli_tune"),
-    "warmup": ("relgen.runtime", "cli_warmup"),
+    "check": ("relgen.verify", "cli_check"),
+    "tune": ("relgen.tune", "cli_tune"),
+    "warmup": ("relgen.tune", "cli_warmup"),
 }
 BENCH_MODULE = "relgen.bench.cli"
 
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=cmd_validate)
 
-    # -- hooks: subcommands implemented in relgen.codegen / relgen.runtime (see HOOKS) ------------------------
+    # -- hooks: subcommands implemented in relgen.codegen / relgen.verify / relgen.tune (see HOOKS) -----------
     p = sub.add_parser("build", help="write the generated kernel modules")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument("-o", "--out", default="generated", metavar="DIR", help="output folder (default: generated)")
@@ -100,18 +101,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="compare each spec's kernels with the FP64 reference")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
-    p.add_argument("--seq-len", type=int, nargs="+", default=None, metavar="N", help="sequence lengths to check")
+    p.add_argument(
+        "--seq-len", type=int, nargs="+", default=None, metavar="N", help="sequence lengths to check (default 1 17 130)"
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=DTYPE_CHOICES, help="input dtype (default: fp32 on the CPU, fp16 on a GPU)"
+    )
+    p.add_argument("--head-dim", type=int, default=None, metavar="D", help="head dimension (default: 16 CPU, 64 GPU)")
     p.set_defaults(handler=_hook("check"))
 
-    p = sub.add_parser("tune", help="tune tile configurations")
+    p = sub.add_parser("tune", help="tune tile configurations (needs a CUDA GPU)")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
-    p.add_argument("--out", default=None, metavar="PATH", help="where to write the tuned configurations")
+    p.add_argument(
+        "--out", default=None, metavar="PATH", help="table to write (default relgen/tuning_tables/smXY.json)"
+    )
+    p.add_argument(
+        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+    )
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, metavar="S", help="stop cleanly after about S seconds (keeps results)"
+    )
+    p.add_argument("--resume", action="store_true", help="skip entries already in the table")
     p.set_defaults(handler=_hook("tune"))
 
-    p = sub.add_parser("warmup", help="compile the kernels ahead of time")
+    p = sub.add_parser("warmup", help="compile the kernels ahead of time (needs a CUDA GPU)")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
-    p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"), help="input dtype (default fp16)")
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
     p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
+    p.add_argument(
+        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+    )
     p.set_defaults(handler=_hook("warmup"))
 
     # listed for --help only: main() hands `bench ...` to relgen.bench.cli before argparse sees it

@@ -160,16 +160,13 @@ def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelCon
     )
 
 
-def select_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+    """An override (tests, tuning), else the tuned table entry for this GPU, else the resource heuristic."""
     if _override:
         return _override[-1]
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
-    return tuning.lookup(dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
-
-
-def kernel_config(name: str, geo: Geometry) -> KernelConfig:
-    return geo.config
+    return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
 
 
 def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
@@ -185,9 +182,12 @@ def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
 # ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Reduction:
+    """How a reduction reads its dZ̃: C columns in windows of W (offset path), or R rows whole (atomic path)."""
+
     columns: int
     width: int
-    win_base: int
+    doff: int
+    low: int
     fp32: bool
     prec: str
 
@@ -210,27 +210,29 @@ class GradientBuffer:
         self.dtype = torch.float32 if atomic else geo.dtype
         wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
         self.widths = (wq, wk)
-        size = geo.batch * geo.heads * max(geo.nq * wq, geo.nk * wk)
+        size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
         self.storage = torch.empty(size, device=device, dtype=self.dtype)
 
     def width(self, query_side: bool) -> int:
         return self.widths[0 if query_side else 1]
 
-    def _view(self, ntok: int, width: int) -> torch.Tensor:
-        g = self.geo
-        view = self.storage[: g.batch * g.heads * ntok * width].view(g.batch, g.heads, ntok, width)
+    def _view(self, rows: int, width: int) -> torch.Tensor:
+        view = self.storage[: rows * width].view(rows, width)
         return view.zero_()  # columns no key (query) reaches must read as zero in the reductions
 
     def query_view(self) -> torch.Tensor:
-        return self._view(self.geo.nq, self.widths[0])
+        return self._view(self.geo.token_rows(True), self.widths[0])
 
     def key_view(self) -> torch.Tensor:
-        return self._view(self.geo.nk, self.widths[1])
+        return self._view(self.geo.token_rows(False), self.widths[1])
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here."""
+    """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here.
+
+    Packed sequences (`varlen`): `batch` counts sequences, `nq` = `nk` = max_seqlen, `total` tokens in all, and
+    each kernel reads its sequence's start and length from `cu_seqlens`."""
 
     plan: PlanInfo
     batch: int
@@ -245,6 +247,9 @@ class Geometry:
     dropout_p: float
     seed: int
     config: KernelConfig
+    varlen: bool = False
+    total: int = 0
+    cu_seqlens: torch.Tensor | None = field(default=None, compare=False, repr=False)
     low: int = 0
     high: int = 0
     c: int = 0
@@ -286,13 +291,14 @@ class Geometry:
     def qk_scale(self) -> float:
         return self.scale * LOG2E  # exp2 in the kernels
 
-    @property
-    def q_win_base(self) -> int:
-        return self.doff - (self.nk - 1) - self.low
+    def token_rows(self, query_side: bool) -> int:
+        """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""
+        if self.varlen:
+            return self.heads * self.total
+        return self.batch * self.heads * (self.nq if query_side else self.nk)
 
-    @property
-    def k_win_base(self) -> int:
-        return self.doff - (self.group - 1) - self.low
+    def cu_seqlens_or(self, dummy: torch.Tensor) -> torch.Tensor:
+        return self.cu_seqlens if self.cu_seqlens is not None else dummy
 
     @property
     def z_dtype(self) -> torch.dtype:
@@ -332,11 +338,11 @@ class Geometry:
         return table.stride(0)
 
     def reduction(self, query_side: bool) -> Reduction:
-        if self.path == "atomic":
-            return Reduction(columns=self.rows, width=self.rows, win_base=0, fp32=True, prec="ieee")
+        if self.path == "atomic":  # W = C = R: every window starts at row 0
+            return Reduction(columns=self.rows, width=self.rows, doff=self.doff, low=self.low, fp32=True, prec="ieee")
         width = self.wq if query_side else self.wk
-        base = self.q_win_base if query_side else self.k_win_base
-        return Reduction(columns=self.c, width=width, win_base=base, fp32=self.dtype == torch.float32, prec=self.prec)
+        fp32 = self.dtype == torch.float32
+        return Reduction(columns=self.c, width=width, doff=self.doff, low=self.low, fp32=fp32, prec=self.prec)
 
     # device tensors ---------------------------------------------------------------------------------------
     def _cached(self, key: str, device: torch.device, make) -> Any:
@@ -399,7 +405,9 @@ class Call:
     def finish(self, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool):
         if not return_lse:
             return o
-        return o, lse2 * LN2
+        g = self.geo
+        lse = lse2.view(g.heads, g.total).t() if g.varlen else lse2.view(g.batch, g.heads, g.nq)
+        return o, lse * LN2
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -436,32 +444,26 @@ def prepare_call(
     dropout_seed=None,
     scale=None,
 ) -> Call:
-    """Validate a call against the plan; every problem is a ValueError naming the argument."""
+    """Validate a call against the plan; every problem is a ValueError naming the argument.
+
+    q: [B, H, Nq, d], k, v: [B, H, Nk, d]; or packed q, k, v: [total, H, d] with cu_seqlens (int32 [S+1]) and
+    max_seqlen. Tables: aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines
+    it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed)."""
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
+    packed = None
     if cu_seqlens is not None or max_seqlen is not None:
-        raise NotImplementedError("packed sequences (cu_seqlens, max_seqlen) are not supported by this build yet")
-    q = _check_tensor("q", q, 4, "[B, H, Nq, d]")
-    b, h, nq, d = q.shape
-    k = _check_tensor("k", k, 4, f"[{b}, {h}, Nk, {d}]")
-    v = _check_tensor("v", v, 4, f"[{b}, {h}, Nk, {d}]")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
-    nk = k.shape[2]
+        packed = _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset)
+        b, h, d = packed.sequences, q.shape[1], q.shape[2]
+        nq = nk = packed.max_seqlen
+    else:
+        b, h, nq, d, nk = _check_qkv(q, k, v)
     for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
-            raise ValueError(f"{name}: expected shape [{b}, {h}, Nk, {d}] to match q {_shape(q)}, got {_shape(t)}")
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
-    if v.shape[2] != nk:
-        raise ValueError(f"v: expected shape {_shape(k)} like k, got {_shape(v)}")
-    if nq < 1 or nk < 1:
-        raise ValueError(f"q, k: sequence lengths must be ≥ 1, got Nq={nq}, Nk={nk}")
-    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
-            raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
     length = max(q_offset + nq, k_offset + nk)
     rows = plan.rows_at(length)
 
@@ -533,7 +535,10 @@ def prepare_call(
         scale=tau,
         dropout_p=float(dropout_p),
         seed=seed,
-        config=select_config(q.dtype, d, max(nq, nk)),
+        config=select_config(plan, q.dtype, d, max(nq, nk)),
+        varlen=packed is not None,
+        total=packed.total if packed is not None else 0,
+        cu_seqlens=packed.cu_seqlens if packed is not None else None,
     )
     return Call(
         _lastdim_contiguous(q),
@@ -545,6 +550,69 @@ def prepare_call(
         kpm,
         geo,
     )
+
+
+def _check_q(q, rank: int, expected: str) -> torch.Tensor:
+    q = _check_tensor("q", q, rank, expected)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    return q
+
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    q = _check_q(q, 4, "[B, H, Nq, d]")
+    b, h, nq, d = q.shape
+    k = _check_tensor("k", k, 4, f"[{b}, {h}, Nk, {d}]")
+    v = _check_tensor("v", v, 4, f"[{b}, {h}, Nk, {d}]")
+    nk = k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
+            raise ValueError(f"{name}: expected shape [{b}, {h}, Nk, {d}] to match q {_shape(q)}, got {_shape(t)}")
+    if v.shape[2] != nk:
+        raise ValueError(f"v: expected shape {_shape(k)} like k, got {_shape(v)}")
+    if nq < 1 or nk < 1:
+        raise ValueError(f"q, k: sequence lengths must be ≥ 1, got Nq={nq}, Nk={nk}")
+    return b, h, nq, d, nk
+
+
+@dataclass(frozen=True)
+class Packed:
+    sequences: int
+    total: int
+    max_seqlen: int
+    cu_seqlens: torch.Tensor
+
+
+def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset) -> Packed:
+    q = _check_q(q, 3, "[total, H, d] (packed: cu_seqlens given)")
+    for name, t in (("k", k), ("v", v)):
+        t = _check_tensor(name, t, 3, f"{_shape(q)} like q (packed)")
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {_shape(q)} like q (packed sequences), got {_shape(t)}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: required with max_seqlen (packed sequences), expected int32 [S+1]")
+    cu = cu_seqlens
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        got = f"{_shape(cu)} {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] of sequence starts, got {got}")
+    if cu.device != q.device:
+        raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
+    starts = cu.tolist()
+    total = q.shape[0]
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:], strict=False)) or starts[-1] != total:
+        raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
+    longest = max(b - a for a, b in zip(starts, starts[1:], strict=False))
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
+        raise ValueError(f"max_seqlen: expected an int ≥ the longest sequence ({longest}), got {max_seqlen!r}")
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
+    if q_offset or k_offset:
+        raise ValueError("q_offset: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
+    return Packed(len(starts) - 1, total, max(max_seqlen, 1), cu.contiguous())
 
 
 def _spec_scale(text: str, head_dim: int) -> float:
@@ -609,7 +677,10 @@ class Mechanism:
 
     def __call__(self, q, k, v, aq=None, ak=None, bias=None, **options: Any):
         window = 1
-        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 3 and k.dim() >= 3:
+        cu = options.get("cu_seqlens")
+        if isinstance(cu, torch.Tensor) and cu.numel() > 1:
+            window = options.get("max_seqlen") or int((cu[1:] - cu[:-1]).max())
+        elif isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
             nq, nk = q.shape[-2], k.shape[-2]
             window = max(options.get("q_offset", 0) + nq, options.get("k_offset", 0) + nk)
         return self.module_for(window).attention(q, k, v, aq, ak, bias, **options)

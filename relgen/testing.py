@@ -13,14 +13,15 @@ dtype              elementwise (everywhere)                               relati
 =================  =====================================================  ==========================================
 float16, bfloat16  |a − e| ≤ 0.05·|e| + 0.03   (paper §5.1, Correctness)  ≤ 8 rounding units: 8·2⁻¹⁰ = 0.78 % (fp16),
                                                                           8·2⁻⁷ = 6.25 % (bf16)
-float32, float64   |a − e| ≤ 1e-5·|e| + 1e-5·max|e|                       ≤ 2e-5
+float32, float64   |a − e| ≤ 1e-5·|e| + 1e-5·max|e| + 2e-6                ≤ 2e-5
 =================  =====================================================  ==========================================
 
 The half-precision rule is the paper's ("within 5 % relative and 0.03 absolute error, or a relative ℓ2 error
 within eight rounding units of the target data type (0.78 % for FP16)"; its rounding unit is the machine epsilon
 2⁻ᵖ, p the stored mantissa bits). FP32 asks for ~1e-5 relative: an exact algorithm whose only error is the
-FP32 rounding of long sums (reduction order differs from the oracle's), with the absolute part scaled by the
-tensor's own magnitude so that tiny entries of a large tensor are not held to a relative bound.
+FP32 rounding of long sums (reduction order differs from the oracle's), with an absolute part scaled by the
+tensor's own magnitude so that tiny entries of a large tensor are not held to a relative bound, and a 2e-6 floor
+(inputs of unit scale) for gradients that cancel exactly, e.g. a table whose one row every pair reads.
 
 Special cases: a NaN anywhere in `actual` fails; an infinity passes only where `expected` holds the same infinity
 (e.g. LSE = −inf of a row without keys), other non-finite values fail. If ‖e‖ = 0, the tensor passes iff
@@ -56,7 +57,7 @@ class Tolerance:
         return f"|a−e| ≤ {' + '.join(parts)} everywhere, or rel ℓ2 ≤ {self.rel_l2:.4g}"
 
 
-_FP32 = Tolerance(rel=1e-5, abs_=0.0, rel_to_max=1e-5, rel_l2=2e-5, zero_abs=1e-5)
+_FP32 = Tolerance(rel=1e-5, abs_=2e-6, rel_to_max=1e-5, rel_l2=2e-5, zero_abs=1e-5)
 _TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float16: Tolerance(rel=0.05, abs_=0.03, rel_to_max=0.0, rel_l2=8 * 2.0**-10, zero_abs=0.03),
     torch.bfloat16: Tolerance(rel=0.05, abs_=0.03, rel_to_max=0.0, rel_l2=8 * 2.0**-7, zero_abs=0.03),

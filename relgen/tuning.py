@@ -26,18 +26,18 @@ def _table(capability: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def table_key(dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
-    return f"{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
+def table_key(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    return f"{'+'.join(terms)}/{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
 
 
-def lookup(dtype: torch.dtype, head_dim: int, seq_len: int):
+def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
     """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
     if not torch.cuda.is_available():
         return None
     from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
     major, minor = torch.cuda.get_device_capability()
-    entry = _table(f"{major}{minor}").get(table_key(dtype, head_dim, seq_len))
+    entry = _table(f"{major}{minor}").get(table_key(terms, dtype, head_dim, seq_len))
     if entry is None:
         return None
     return KernelConfig(

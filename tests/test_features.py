@@ -160,3 +160,47 @@ def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
     tables = {name: args.pop(name) for name in ("aq", "ak", "bias") if name in args}
     with pytest.raises(ValueError, match=rf"^{argument}\b"):
         fn(q, k, v, **tables, **args)
+
+
+@pytest.mark.parametrize("name", ["txl", "deberta_v3", "t5_decoder", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_packed_sequences(name, dropout):
+    """Each packed sequence attends only within itself; identity tables have R = 2·max_seqlen − 1."""
+    spec = load(name)
+    lengths = [5, 33, 1, 20]
+    total, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    base = make_inputs(spec, b=1, h=2, nq=longest, d=16, device=DEVICE, seed=4)
+    gen = torch.Generator().manual_seed(9)
+
+    def packed(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_()
+
+    inputs = type(base)(packed(total, 2, 16), packed(total, 2, 16), packed(total, 2, 16), base.tables)
+    options = {"cu_seqlens": cu, "max_seqlen": longest}
+    if dropout:
+        seed = 77
+        keep = dropout_keep_mask((len(lengths), 2, longest, longest), dropout, seed, device=DEVICE)
+        options.update(dropout_p=dropout, dropout_seed=seed, keep_mask=keep)
+    assert_all_close(compare(spec, inputs, **options), f"{_id(name)} packed dropout={dropout}")
+
+
+@pytest.mark.parametrize(
+    ("changes", "argument"),
+    [
+        ({"cu_seqlens": torch.tensor([0, 5, 3, 9], dtype=torch.int32)}, "cu_seqlens"),
+        ({"cu_seqlens": torch.tensor([0, 4, 8], dtype=torch.int32)}, "cu_seqlens"),
+        ({"cu_seqlens": torch.tensor([0, 4, 9], dtype=torch.int64)}, "cu_seqlens"),
+        ({"max_seqlen": 3}, "max_seqlen"),
+        ({"q_offset": 2}, "q_offset"),
+    ],
+)
+def test_bad_packed_input(changes, argument):
+    spec = load("t5")
+    fn = relgen.compile_mechanism(spec)
+    q, k, v = (torch.randn(9, 2, 16, device=DEVICE) for _ in range(3))
+    args = {"cu_seqlens": torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE), "max_seqlen": 5, **changes}
+    if isinstance(args["cu_seqlens"], torch.Tensor):
+        args["cu_seqlens"] = args["cu_seqlens"].to(DEVICE)
+    with pytest.raises(ValueError, match=rf"^{argument}\b"):
+        fn(q, k, v, bias=torch.randn(2, 32, device=DEVICE), **args)

@@ -1,0 +1,160 @@
+"""relgen.tuning lookup tables and relgen.tune (`relgen tune`, `relgen warmup`), on the CPU.
+
+The timing itself needs a GPU; here the tuner runs in Triton's interpreter with a fake timer, which exercises
+everything else: the candidates, override_config, the sanity check, skipped candidates and the table file."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import relgen
+from relgen import tune, tuning
+from relgen.cli import main
+from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
+
+ROOT = Path(__file__).resolve().parents[1]
+T5 = ROOT / "specs" / "t5.yaml"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without a GPU: Triton's interpreter (conftest)
+
+ENTRY = {
+    "group": 128,
+    "forward": {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    "backward": {"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    "project": {"block_t": 128, "block_w": 64, "num_warps": 8, "num_stages": 2},
+    "reduce": {"block_t": 64, "block_w": 64, "block_s": 32, "num_warps": 4, "num_stages": 2},
+}
+CONFIG = KernelConfig(
+    group=128,
+    forward=AttnTiles(64, 32, 4, 3),
+    backward=AttnTiles(32, 64, 4, 2),
+    project=ProjectTiles(128, 64, 8, 2),
+    reduce=ReduceTiles(64, 64, 32, 4, 2),
+)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """lookup() believes it runs on an sm90 GPU and reads its tables from tmp_path."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(tuning, "TABLES", tmp_path)
+    tuning._table.cache_clear()
+    yield tmp_path
+    tuning._table.cache_clear()
+
+
+def test_bucket_and_table_key():
+    lengths = (1, 64, 65, 128, 129, 400, 1000, 8192, 100_000)
+    assert [tuning.bucket(n) for n in lengths] == [64, 64, 128, 128, 384, 512, 1024, 8192, 8192]
+    assert tuning.table_key(("query", "key"), torch.float16, 64, 1000) == "query+key/fp16/d64/n1024"
+    assert tuning.table_key(("bias",), torch.bfloat16, 128, 10) == "bias/bf16/d128/n64"
+
+
+def test_lookup_reads_a_hand_written_table(fake_gpu):
+    table = {"query/fp16/d64/n512": ENTRY, "_timings": {"query/fp16/d64/n512": {"forward_ms": {}}}}
+    (fake_gpu / "sm90.json").write_text(json.dumps(table))
+    assert tuning.lookup(("query",), torch.float16, 64, 400) == CONFIG
+    assert tuning.lookup(("query",), torch.float16, 64, 600) is None  # bucket 768: no entry
+    assert tuning.lookup(("bias",), torch.float16, 64, 400) is None
+    assert tuning.lookup(("query",), torch.float32, 64, 400) is None
+
+
+def test_lookup_without_a_gpu_or_a_table(fake_gpu, monkeypatch):
+    assert tuning.lookup(("query",), torch.float16, 64, 400) is None  # no sm90.json
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tuning.lookup(("query",), torch.float16, 64, 400) is None
+
+
+def test_write_entry_merges_and_lookup_reads_it(fake_gpu):
+    path = fake_gpu / "sm90.json"
+    path.write_text(json.dumps({"bias/fp16/d64/n64": ENTRY}))
+    tuning.lookup(("query",), torch.float16, 64, 100)  # fills lookup's cache: write_entry must clear it
+    tune.write_entry(path, "query/fp16/d64/n128", tune.config_entry(CONFIG), {"forward_ms": {"a": 1.0}})
+    table = json.loads(path.read_text())
+    assert set(table) == {"bias/fp16/d64/n64", "query/fp16/d64/n128", "_timings"}
+    assert table["_timings"] == {"query/fp16/d64/n128": {"forward_ms": {"a": 1.0}}}
+    assert tuning.lookup(("query",), torch.float16, 64, 100) == CONFIG
+    assert tuning.lookup(("bias",), torch.float16, 64, 64) == CONFIG
+
+
+def test_candidates_fit_the_group():
+    from relgen.runtime import default_config
+
+    base = default_config(torch.float16, 64, 1024)
+    if base.group != tune.GROUP:  # the interpreter's configuration: tune with the group of the GPUs
+        base = KernelConfig(
+            tune.GROUP, AttnTiles(128, 64), AttnTiles(64, 64), ProjectTiles(64, 64), ReduceTiles(64, 64, 64)
+        )
+    stages = (tune.forward_candidates, tune.project_candidates, tune.backward_candidates, tune.reduce_candidates)
+    for stage in stages:
+        candidates = stage(base)
+        assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 6
+        for cfg in candidates:
+            cfg.check()
+            assert cfg.group == 128
+
+
+# -- the tuner in the interpreter, with a fake timer ---------------------------------------------------------------
+@pytest.fixture
+def small_tuner(monkeypatch):
+    """The heuristic's tiles and one or two more per stage (forward 96 cannot run: it does not divide the
+    group), tiny problems, a fake timer."""
+    monkeypatch.setattr(tune, "FORWARD_TILES", ((64, 32, 4, 2), (96, 32, 4, 2)))
+    monkeypatch.setattr(tune, "PROJECT_TILES", ((64, 64, 4, 2),))
+    monkeypatch.setattr(tune, "BACKWARD_TILES", ((32, 64, 4, 2),))
+    monkeypatch.setattr(tune, "REDUCE_TILES", ((64, 64, 32, 4, 2),))
+    times = itertools.cycle([3.0, 1.0, 2.0])
+
+    def timer(fn):
+        fn()
+        return next(times)
+
+    factory = functools.partial(tune.Tuner, device=DEVICE, tokens=32, heads=2, timer=timer, log=lambda line: None)
+    monkeypatch.setattr(tune, "Tuner", factory)
+    monkeypatch.setattr(tune, "_require_cuda", lambda command, why: None)
+    return factory
+
+
+def test_tuner_picks_the_fastest_and_records_skips(small_tuner):
+    tuner = small_tuner(torch.float32, 16)
+    entry, timings = tuner.tune([relgen.load_spec(T5)], 24)
+    forward, backward = timings["forward_ms"], timings["backward_ms"]
+    assert any(isinstance(v, str) and "must divide the group" in v for v in forward.values())
+    for record, chosen in ((forward, timings["chosen"]["forward"]), (backward, timings["chosen"]["backward"])):
+        measured = {k: v for k, v in record.items() if isinstance(v, float)}
+        assert chosen == min(measured, key=measured.get)
+    assert entry["group"] == 128 and set(entry) == {"group", "forward", "backward", "project", "reduce"}
+    assert timings["batch"] == 1 and timings["heads"] == 2 and timings["specs"] == ["t5"]
+
+
+def test_tuner_budget(small_tuner):
+    with pytest.raises(tune.OutOfBudget):
+        small_tuner(torch.float32, 16, budget_s=0.0, started=0.0).tune([relgen.load_spec(T5)], 8)
+
+
+def test_cli_tune_writes_and_resumes(small_tuner, tmp_path, capsys):
+    out = tmp_path / "table.json"
+    argv = ["tune", str(T5), "--out", str(out), "--seq-lens", "20", "--dtype", "fp32", "--head-dim", "16"]
+    assert main(argv) == 0
+    table = json.loads(out.read_text())
+    assert set(table) == {"bias/fp32/d16/n64", "_timings"}
+    assert "1 entry written" in capsys.readouterr().out
+    assert main([*argv, "--resume"]) == 0
+    assert "already tuned, skipped (--resume)" in capsys.readouterr().out
+
+
+# -- on a machine without a GPU ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "words"), [("tune", "timed on the GPU"), ("warmup", "compiles nothing")])
+def test_needs_a_gpu(monkeypatch, capsys, tmp_path, command, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main([command, str(T5)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith(f"relgen: error: 'relgen {command}' needs a CUDA GPU") and words in err
+    assert err.count("\n") == 1
