@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -601,9 +602,9 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
     starts = cu.tolist()
     total = q.shape[0]
-    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:], strict=False)) or starts[-1] != total:
+    if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
         raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
-    longest = max(b - a for a, b in zip(starts, starts[1:], strict=False))
+    longest = max(b - a for a, b in itertools.pairwise(starts))
     if max_seqlen is None:
         max_seqlen = longest
     elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
