@@ -12,7 +12,7 @@ from kernel_cases import SPECS, assert_all_close, compare, make_inputs
 
 import relgen
 from relgen import reference
-from relgen.testing import check_close
+from relgen.testing import check_close, dropout_keep_mask
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,12 +23,26 @@ def spec_of(name):
     return relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
 
 
-def decomposed_reference(spec, q, k, v, aq=None, ak=None, bias=None):
+def decomposed_reference(
+    spec,
+    q,
+    k,
+    v,
+    aq=None,
+    ak=None,
+    bias=None,
+    *,
+    key_padding_mask=None,
+    q_offset=0,
+    k_offset=0,
+    keep_mask=None,
+    dropout_p=0.0,
+):
     """FP64 attention through the decomposition S = τ(qkᵀ + Z^Q[i, φ] + Z^K[j, φ] + b[φ]) (paper Eq. 7), with
     Z = x·Aᵀ over all R rows: [B, H, N, N] scores instead of the per-pair [H, N, N, d] gather, so it fits at 8K.
     `test_decomposed_reference_matches_reference` ties it to the per-pair oracle."""
     nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
-    rows = reference.relation_rows(spec, nq, nk).to(q.device)
+    rows = reference.relation_rows(spec, nq, nk, q_offset=q_offset, k_offset=k_offset, length=length).to(q.device)
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     s = q64 @ k64.transpose(-1, -2)
 
@@ -44,15 +58,25 @@ def decomposed_reference(spec, q, k, v, aq=None, ak=None, bias=None):
     if bias is not None:
         s = s + per_head(bias)[:, rows].unsqueeze(0)
     s = s * spec.scale_value(d)
+    valid = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=q.device)
     if spec.causal:
-        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v64
+        i = torch.arange(nq, device=q.device)[:, None] + q_offset
+        j = torch.arange(nk, device=q.device)[None, :] + k_offset
+        valid = valid & (i >= j)
+    if key_padding_mask is not None:
+        valid = valid & key_padding_mask[:, None, None, :]
+    s = s.masked_fill(~valid, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    if keep_mask is not None:
+        p = p * keep_mask / (1.0 - dropout_p)
+    return p @ v64
 
 
-def compare_large(spec, inputs, dtype):
+def compare_large(spec, inputs, dtype, keep_mask=None, **options):
     fn = relgen.compile_mechanism(spec)
-    out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
-    ref = decomposed_reference(spec, inputs.q, inputs.k, inputs.v, **inputs.tables)
+    out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    ref_options = {k: v for k, v in options.items() if k != "dropout_seed"}
+    ref = decomposed_reference(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, keep_mask=keep_mask, **ref_options)
     results = [("out", *check_close(out, ref, dtype))]
     do = torch.randn_like(out)
     names, leaves = zip(*inputs.leaves.items(), strict=True)
@@ -178,3 +202,85 @@ def test_window_rows_counted_by_plan():
     plan = relgen.analyze(spec, 8192)
     assert plan.query_window == 8192 + plan.group_size - 1
     assert np.isclose(plan.query_window / plan.rows, 0.51, atol=0.01)
+
+
+# -- masks, positions, dropout, packing and memory options at long lengths (issue: masks and packing) ------------
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["shaw", "txl", "deberta_v3", "t5", "t5_decoder"])
+def test_features_long(name, dtype):
+    spec = spec_of(name)
+    n = 4096
+    inputs = make_inputs(spec, b=2, h=2, nq=n, d=64, dtype=dtype, device="cuda", seed=1)
+    mask = torch.ones(2, n, dtype=torch.bool, device="cuda")
+    mask[0, 3000:] = False
+    assert_all_close(compare_large(spec, inputs, dtype, key_padding_mask=mask), f"{name} padding {dtype}")
+    keep = dropout_keep_mask((2, 2, n, n), 0.1, 5, device="cuda")
+    assert_all_close(
+        compare_large(spec, inputs, dtype, keep_mask=keep, dropout_p=0.1, dropout_seed=5), f"{name} dropout {dtype}"
+    )
+    for nq, q_offset in ((1, n - 1), (1024, n - 1024)):  # KV-cache decoding, chunked prefill
+        part = make_inputs(spec, b=2, h=2, nq=nq, nk=n, d=64, dtype=dtype, device="cuda", seed=nq, length=n)
+        assert_all_close(compare_large(spec, part, dtype, q_offset=q_offset), f"{name} Nq={nq} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["txl", "deberta_v3", "t5"])
+def test_packed_long(name, dtype):
+    spec = spec_of(name)
+    lengths = [3000, 1200, 4096, 17]
+    longest = max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    tables = make_inputs(spec, b=1, h=2, nq=longest, d=64, dtype=dtype, device="cuda").tables
+    q, k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", dtype=dtype).requires_grad_() for _ in range(3))
+    fn = relgen.compile_mechanism(spec)
+    out = fn(q, k, v, **tables, cu_seqlens=cu, max_seqlen=longest)
+    do = torch.randn_like(out)
+    leaves = [q, k, v, *tables.values()]
+    got = torch.autograd.grad(out, leaves, do)
+    outs, refs = [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        sl = (slice(a, b),)
+        ref = decomposed_reference(
+            spec, *(t[sl].transpose(0, 1).unsqueeze(0) for t in (q, k, v)), **tables, length=longest
+        )
+        refs.append(ref[0].transpose(0, 1))
+        outs.append(out[sl])
+    ref = torch.cat(refs)
+    want = torch.autograd.grad(ref, leaves, do.double())
+    results = [("out", *check_close(out, ref, dtype))]
+    results += [(f"d{i}", *check_close(g, w, dtype)) for i, (g, w) in enumerate(zip(got, want, strict=True))]
+    assert_all_close(results, f"{name} packed {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["shaw", "txl", "deberta_v3"])
+def test_recompute_projections_saves_memory(name):
+    """What forward keeps for backward: O, LSE and the projections; recompute_projections keeps O and LSE."""
+    spec = spec_of(name)
+    b, h, n, d = 2, 12, 8192, 64
+    inputs = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=torch.float16, device="cuda")
+    fn = relgen.compile_mechanism(spec)
+    kept, peaks = {}, {}
+    for recompute in (False, True):
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, recompute_projections=recompute)
+        torch.autograd.grad(out, list(inputs.leaves.values()), torch.ones_like(out))  # compile outside
+        del out
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, recompute_projections=recompute)
+        torch.cuda.synchronize()
+        kept[recompute] = torch.cuda.memory_allocated() - base
+        torch.autograd.grad(out, list(inputs.leaves.values()), torch.ones_like(out))
+        torch.cuda.synchronize()
+        peaks[recompute] = torch.cuda.max_memory_allocated() - base
+        del out
+    projections = _expected_forward_bytes(spec, b, h, n, d) - b * h * n * (2 * d + 4)
+    print(
+        f"{name}: kept {kept[False] / 2**20:.0f} MiB -> {kept[True] / 2**20:.0f} MiB with recompute_projections;"
+        f" fwd+bwd peak {peaks[False] / 2**20:.0f} -> {peaks[True] / 2**20:.0f} MiB"
+    )
+    assert kept[True] <= kept[False] - 0.95 * projections
+    assert kept[True] <= b * h * n * (2 * d + 4) + (8 << 20)
