@@ -37,6 +37,7 @@ def decomposed_reference(
     k_offset=0,
     keep_mask=None,
     dropout_p=0.0,
+    length=None,
 ):
     """FP64 attention through the decomposition S = τ(qkᵀ + Z^Q[i, φ] + Z^K[j, φ] + b[φ]) (paper Eq. 7), with
     Z = x·Aᵀ over all R rows: [B, H, N, N] scores instead of the per-pair [H, N, N, d] gather, so it fits at 8K.
