@@ -118,11 +118,13 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:300]}"
 
 
+#: CUDA errors that leave the context unusable (sticky); out-of-memory and launch-resource errors are not.
+_STICKY = ("illegal memory access", "illegal address", "misaligned address", "device-side assert", "launch failure")
+
+
 def _is_fatal(err: BaseException) -> bool:
     text = str(err).lower()
-    if isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in text:
-        return False
-    return "illegal memory access" in text or "cuda error" in text or "device-side assert" in text
+    return any(words in text for words in _STICKY)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -243,6 +245,10 @@ class Problem:
         return self.mechanism(i.q, i.k, i.v, **i.tables)
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)  # a run cut short (timeout) keeps its lines
+
+
 @dataclass
 class Tuner:
     """Times the candidates. `device`, `tokens`, `heads` and `timer` exist for the CPU tests (Triton's
@@ -256,7 +262,7 @@ class Tuner:
     heads: int = HEADS
     timer: Callable[[Callable[[], Any]], float] | None = None  # fn → ms; default do_bench's median
     started: float = field(default_factory=time.monotonic)
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = field(default=_log)
 
     def _spend(self) -> None:
         if self.budget_s is not None and time.monotonic() - self.started > self.budget_s:

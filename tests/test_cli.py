@@ -235,7 +235,7 @@ def test_usage_errors_and_help(capsys):
 
 @pytest.fixture
 def fake_modules(monkeypatch):
-    """Stand-ins for relgen.codegen, relgen.runtime and relgen.bench.cli that record their calls."""
+    """Stand-ins for relgen.codegen, relgen.verify, relgen.tune and relgen.bench.cli that record their calls."""
     calls: list[tuple[str, object]] = []
 
     def recorder(name):
@@ -247,13 +247,16 @@ def fake_modules(monkeypatch):
 
     codegen = types.ModuleType("relgen.codegen")
     codegen.cli_build = recorder("build")
-    runtime = types.ModuleType("relgen.runtime")
-    for command in ("check", "tune", "warmup"):
-        setattr(runtime, f"cli_{command}", recorder(command))
+    verify = types.ModuleType("relgen.verify")
+    verify.cli_check = recorder("check")
+    tune = types.ModuleType("relgen.tune")
+    tune.cli_tune = recorder("tune")
+    tune.cli_warmup = recorder("warmup")
     bench = types.ModuleType("relgen.bench.cli")
     bench.main = recorder("bench")
     monkeypatch.setitem(sys.modules, "relgen.codegen", codegen)
-    monkeypatch.setitem(sys.modules, "relgen.runtime", runtime)
+    monkeypatch.setitem(sys.modules, "relgen.verify", verify)
+    monkeypatch.setitem(sys.modules, "relgen.tune", tune)
     monkeypatch.setitem(sys.modules, "relgen.bench.cli", bench)
     return calls
 
@@ -286,13 +289,13 @@ def test_hook_errors_are_one_line(capsys, monkeypatch, fake_modules):
     def failing(args):
         raise ValueError("q: head dim d must be one of (16, 32, 64, 128), got 48")
 
-    monkeypatch.setattr(sys.modules["relgen.runtime"], "cli_warmup", failing)
+    monkeypatch.setattr(sys.modules["relgen.tune"], "cli_warmup", failing)
     code, _, err = run(capsys, "warmup", SPECS[0], "--head-dim", "48")
     assert code == 2 and err == "relgen: error: q: head dim d must be one of (16, 32, 64, 128), got 48\n"
 
-    monkeypatch.delattr(sys.modules["relgen.runtime"], "cli_tune")
+    monkeypatch.delattr(sys.modules["relgen.tune"], "cli_tune")
     code, _, err = run(capsys, "tune", SPECS[0])
-    assert code == 2 and err == "relgen: error: 'relgen tune' is not available (relgen.runtime.cli_tune is missing)\n"
+    assert code == 2 and err == "relgen: error: 'relgen tune' is not available (relgen.tune.cli_tune is missing)\n"
 
 
 # -- the installed entry point ---------------------------------------------------------------------------------

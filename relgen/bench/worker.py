@@ -349,6 +349,8 @@ def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     device = torch.device(cfg.get("device", "cuda"))
     if device.type == "cuda":
+        if device.index is None:  # set_device and the memory statistics want an explicit index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     torch.set_float32_matmul_precision("highest")
     env = environment()
