@@ -8,6 +8,7 @@ for longer sequences).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -257,7 +258,6 @@ class Geometry:
     rows: int = 0
     wq: int = 0
     wk: int = 0
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
@@ -346,28 +346,27 @@ class Geometry:
         return Reduction(columns=self.c, width=width, doff=self.doff, low=self.low, fp32=fp32, prec=self.prec)
 
     # device tensors ---------------------------------------------------------------------------------------
-    def _cached(self, key: str, device: torch.device, make) -> Any:
-        k = (key, str(device))
-        if k not in self._cache:
-            self._cache[k] = make()
-        return self._cache[k]
-
-    def copy_map_tensor(self, device: torch.device) -> torch.Tensor:
-        beta = self.copy_beta or list(range(self.c))
-        return self._cached("beta", device, lambda: torch.tensor(beta, dtype=torch.int32, device=device))
+    def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """β on the device; kept across calls (building it anew would copy from the host every call)."""
+        return _device_constant(
+            ("beta", self.plan.copy_map, self.c, self.rows),
+            device,
+            dtype,
+            lambda: self.copy_beta or list(range(self.c)),
+        )
 
     def fold_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            runs = torch.tensor(self.fold, dtype=torch.int32, device=device).reshape(-1, 2)
-            return runs[:, 0].contiguous(), runs[:, 1].contiguous()
-
-        return self._cached("fold", device, make)
+        """(first column, count) of each row's run of copies, on the device."""
+        key = ("fold", self.plan.fold, self.plan.copy_map, self.c, self.rows)
+        first = _device_constant((*key, "first"), device, torch.int32, lambda: [f for f, _ in self.fold])
+        count = _device_constant((*key, "count"), device, torch.int32, lambda: [n for _, n in self.fold])
+        return first, count
 
     def expand(self, aq, ak, bias) -> Expanded:
         """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
         beta = self.copy_beta
         some = next(t for t in (aq, ak, bias) if t is not None)
-        index = None if beta is None else self.copy_map_tensor(some.device).long()
+        index = None if beta is None else self.copy_map_tensor(some.device, torch.long)
 
         def copy(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
             if t is None:
@@ -616,8 +615,20 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
     return Packed(len(starts) - 1, total, max(max_seqlen, 1), cu.contiguous())
 
 
+@functools.lru_cache(maxsize=256)
 def _spec_scale(text: str, head_dim: int) -> float:
     return float(parse_expression(text, ("d",)).subs(sympy.Symbol("d", integer=True), head_dim))
+
+
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _device_constant(key: tuple, device: torch.device, dtype: torch.dtype, values) -> torch.Tensor:
+    """A small index tensor built once per (key, device, dtype) and reused by every later call."""
+    full = (key, str(device), dtype)
+    if full not in _DEVICE_CONSTANTS:
+        _DEVICE_CONSTANTS[full] = torch.tensor(values(), dtype=dtype, device=device).contiguous()
+    return _DEVICE_CONSTANTS[full]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -30,13 +30,18 @@ def table_key(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len
     return f"{'+'.join(terms)}/{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
 
 
+@functools.lru_cache(maxsize=1)
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()
+
+
 def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
     """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
     if not torch.cuda.is_available():
         return None
     from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = _capability()
     entry = _table(f"{major}{minor}").get(table_key(terms, dtype, head_dim, seq_len))
     if entry is None:
         return None

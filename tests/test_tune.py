@@ -45,8 +45,10 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(tuning, "TABLES", tmp_path)
     tuning._table.cache_clear()
+    tuning._capability.cache_clear()
     yield tmp_path
     tuning._table.cache_clear()
+    tuning._capability.cache_clear()
 
 
 def test_bucket_and_table_key():
