@@ -134,8 +134,8 @@ def _score_tile(
     LOW,
     HIGH,
     C,
-    WQ,
-    WK,
+    ZSQ,
+    ZSK,
     qk_scale,
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
@@ -151,10 +151,10 @@ def _score_tile(
         pair_ok = row_ok[:, None] & col_ok[None, :]
     # q_i·ã^Q_s (+ b̃_s when folded): the query's window starts at column s0
     if MODE == BAND:
-        qk += tl.load(zq_bh + offs_m[:, None] * WQ + (col - s0), mask=pair_ok, other=0.0).to(tl.float32)
+        qk += tl.load(zq_bh + offs_m[:, None] * ZSQ + (col - s0), mask=pair_ok, other=0.0).to(tl.float32)
     else:
         zq_col = C - 1 - s0 if MODE == SAT_HIGH else -s0
-        qk += tl.load(zq_bh + offs_m * WQ + zq_col, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        qk += tl.load(zq_bh + offs_m * ZSQ + zq_col, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     s = qk * qk_scale
     if MASKED:
         keep = col_ok[None, :]
@@ -190,6 +190,7 @@ def _project_kernel(
     LOW,
     C,
     W,
+    ZS,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -217,7 +218,7 @@ def _project_kernel(
         z += tl.load(BIAS + h * sb_h + start + offs_w, mask=offs_w < W, other=0.0)[None, :]
     if CLAMP_FP16:
         z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
-    z_ptrs = Z + (row0.to(tl.int64) + offs_t[:, None]) * W + offs_w[None, :]
+    z_ptrs = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS + offs_w[None, :]
     tl.store(z_ptrs, z.to(Z.dtype.element_ty), mask=(offs_t[:, None] < Ntok) & (offs_w[None, :] < W))
 
 
@@ -255,6 +256,8 @@ def _fwd_range(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     k_win_base,
     qk_scale,
     HEAD_DIM: tl.constexpr,
@@ -291,8 +294,8 @@ def _fwd_range(
             LOW,
             HIGH,
             C,
-            WQ,
-            WK,
+            ZSQ,
+            ZSK,
             qk_scale,
             MODE,
             MASKED,
@@ -313,7 +316,7 @@ def _fwd_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK"])
 def _attn_fwd_kernel(
     Q,
     K,
@@ -351,6 +354,8 @@ def _attn_fwd_kernel(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -372,8 +377,8 @@ def _attn_fwd_kernel(
     q = tl.load(Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :], mask=offs_m[:, None] < Nq)
     k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
-    zq_bh = ZQ + row_q.to(tl.int64) * WQ
-    ZK_b = ZK + row_k.to(tl.int64) * WK
+    zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
+    ZK_b = ZK + row_k.to(tl.int64) * ZSK
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
@@ -383,7 +388,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale)
+    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
@@ -592,6 +597,8 @@ def _bwd_q_range(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     k_win_base,
     qk_scale,
     tau,
@@ -629,8 +636,8 @@ def _bwd_q_range(
             LOW,
             HIGH,
             C,
-            WQ,
-            WK,
+            ZSQ,
+            ZSK,
             qk_scale,
             MODE,
             MASKED,
@@ -659,7 +666,7 @@ def _bwd_q_range(
     return dq, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "WDZ"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK", "WDZ"])
 def _attn_bwd_q_kernel(
     Q,
     K,
@@ -704,6 +711,8 @@ def _attn_bwd_q_kernel(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     WDZ,
     qk_scale,
     tau,
@@ -733,8 +742,8 @@ def _attn_bwd_q_kernel(
     Di = tl.load(DELTA + row_q.to(tl.int64) + offs_m, mask=row_ok, other=0.0)
     k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
-    zq_bh = ZQ + row_q.to(tl.int64) * WQ
-    ZK_b = ZK + row_k.to(tl.int64) * WK
+    zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
+    ZK_b = ZK + row_k.to(tl.int64) * ZSK
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
@@ -745,7 +754,26 @@ def _attn_bwd_q_kernel(
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, k_win_base, qk_scale, tau)
+    args = (
+        bh,
+        seed,
+        dropout_p,
+        Nq_all,
+        Nk_all,
+        Nq,
+        Nk,
+        DOFF,
+        LOW,
+        HIGH,
+        C,
+        WQ,
+        WK,
+        ZSQ,
+        ZSK,
+        k_win_base,
+        qk_scale,
+        tau,
+    )
     common = (q, do, lse2, Di, K_bh, V_bh, sk_n, sv_n, offs_m, zq_bh, ZK_b, bias_h, kpm_b, dzq_rows, COPY_MAP, s0)
     dq, hi_sum, lo_sum = _bwd_q_range(
         dq,
@@ -874,6 +902,8 @@ def _bwd_kv_range(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     q_win_base,
     qk_scale,
     tau,
@@ -914,8 +944,8 @@ def _bwd_kv_range(
             LOW,
             HIGH,
             C,
-            WQ,
-            WK,
+            ZSQ,
+            ZSK,
             qk_scale,
             MODE,
             MASKED,
@@ -931,7 +961,7 @@ def _bwd_kv_range(
     return dk, dv, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "WDZ"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK", "WDZ"])
 def _attn_bwd_kv_kernel(
     Q,
     K,
@@ -980,6 +1010,8 @@ def _attn_bwd_kv_kernel(
     C,
     WQ,
     WK,
+    ZSQ,
+    ZSK,
     WDZ,
     qk_scale,
     tau,
@@ -1008,8 +1040,8 @@ def _attn_bwd_kv_kernel(
     v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
-    ZQ_b = ZQ + row_q.to(tl.int64) * WQ
-    zk_bh = ZK + row_k.to(tl.int64) * WK
+    ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
+    zk_bh = ZK + row_k.to(tl.int64) * ZSK
     dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
@@ -1023,7 +1055,26 @@ def _attn_bwd_kv_kernel(
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
-    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, q_win_base, qk_scale, tau)
+    args = (
+        bh,
+        seed,
+        dropout_p,
+        Nq_all,
+        Nk_all,
+        Nq,
+        Nk,
+        DOFF,
+        LOW,
+        HIGH,
+        C,
+        WQ,
+        WK,
+        ZSQ,
+        ZSK,
+        q_win_base,
+        qk_scale,
+        tau,
+    )
     common = (
         k,
         v,
@@ -1309,7 +1360,8 @@ def _sizes(geo):
 def _project(x, table, bias, geo, cfg, query_side):
     """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table."""
     ntok, width = (geo.nq, geo.wq) if query_side else (geo.nk, geo.wk)
-    z = torch.empty((geo.token_rows(query_side), width), device=x.device, dtype=geo.z_dtype)
+    stride = geo.row_stride(width)  # rows start 32-byte aligned: vector stores and loads
+    z = torch.empty((geo.token_rows(query_side), stride), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
     grid = (triton.cdiv(width, c.block_w), triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
     _project_kernel[grid](
@@ -1326,6 +1378,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         geo.low,
         geo.c,
         width,
+        stride,
         HEAD_DIM=geo.head_dim,
         BLOCK_T=c.block_t,
         BLOCK_W=c.block_w,
@@ -1348,7 +1401,19 @@ def _projections(q, k, expanded, geo, cfg):
 
 
 def _scalar_args(geo):
-    return (geo.seed, geo.dropout_p, *_sizes(geo), geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk)
+    return (
+        geo.seed,
+        geo.dropout_p,
+        *_sizes(geo),
+        geo.doff,
+        geo.low,
+        geo.high,
+        geo.c,
+        geo.wq,
+        geo.wk,
+        geo.row_stride(geo.wq),
+        geo.row_stride(geo.wk),
+    )
 
 
 def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
@@ -1414,7 +1479,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
             red.low,
             red.columns,
             red.width,
-            red.width,
+            red.stride,
             HEAD_DIM=geo.head_dim,
             BLOCK_T=c.block_t,
             BLOCK_W=c.block_w,
@@ -1445,7 +1510,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         red.low,
         red.columns,
         red.width,
-        red.width,
+        red.stride,
         per_chunk,
         items,
         HEAD_DIM=geo.head_dim,

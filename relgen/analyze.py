@@ -248,14 +248,16 @@ def _prove_expression_saturation(
 
 def canonical_length(spec: MechanismSpec) -> int:
     """The window code generation plans for: identity maps 128 (their bounds are runtime values); other maps the
-    shortest power of two whose bounds lie inside the window and are proven for every longer window, or, when
-    no proof is found, the shortest whose bounds agree with a 4× longer window (the runtime re-plans past it)."""
+    shortest power of two whose bounds lie inside the window and are proven for every longer window, or, for an
+    expression map sympy cannot prove, the shortest whose bounds agree with a 4× longer window (the runtime
+    re-plans past it)."""
     if spec.map.length_dependent:
         return GROUP_SIZE
     n = 16
     while n <= MAX_CANONICAL_LENGTH:
         low, high, proven = _bounds(spec, n)
-        if high < n - 1 and low > -(n - 1) and (proven or _bounds(spec, 4 * n)[:2] == (low, high)):
+        empirical = isinstance(spec.map, ExpressionMap) and _bounds(spec, 4 * n)[:2] == (low, high)
+        if high < n - 1 and low > -(n - 1) and (proven or empirical):
             return n
         n *= 2
     return MAX_CANONICAL_LENGTH

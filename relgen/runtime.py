@@ -188,6 +188,7 @@ class Reduction:
 
     columns: int
     width: int
+    stride: int
     doff: int
     low: int
     fp32: bool
@@ -210,7 +211,7 @@ class GradientBuffer:
         self.geo = geo
         atomic = geo.path == "atomic"
         self.dtype = torch.float32 if atomic else geo.dtype
-        wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
+        wq, wk = (geo.rows, geo.rows) if atomic else (geo.row_stride(geo.wq), geo.row_stride(geo.wk))
         self.widths = (wq, wk)
         size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
         self.storage = torch.empty(size, device=device, dtype=self.dtype)
@@ -292,6 +293,11 @@ class Geometry:
     def qk_scale(self) -> float:
         return self.scale * LOG2E  # exp2 in the kernels
 
+    @staticmethod
+    def row_stride(width: int) -> int:
+        """Row stride of the per-token buffers: the window width rounded up to 16 elements (32-byte rows)."""
+        return -(-width // 16) * 16
+
     def token_rows(self, query_side: bool) -> int:
         """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""
         if self.varlen:
@@ -340,10 +346,19 @@ class Geometry:
 
     def reduction(self, query_side: bool) -> Reduction:
         if self.path == "atomic":  # W = C = R: every window starts at row 0
-            return Reduction(columns=self.rows, width=self.rows, doff=self.doff, low=self.low, fp32=True, prec="ieee")
+            r = self.rows
+            return Reduction(columns=r, width=r, stride=r, doff=self.doff, low=self.low, fp32=True, prec="ieee")
         width = self.wq if query_side else self.wk
         fp32 = self.dtype == torch.float32
-        return Reduction(columns=self.c, width=width, doff=self.doff, low=self.low, fp32=fp32, prec=self.prec)
+        return Reduction(
+            columns=self.c,
+            width=width,
+            stride=self.row_stride(width),
+            doff=self.doff,
+            low=self.low,
+            fp32=fp32,
+            prec=self.prec,
+        )
 
     # device tensors ---------------------------------------------------------------------------------------
     def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
