@@ -705,6 +705,7 @@ def _project_kernel(
     C,
     W,
     ZS,
+    cols_per_program,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -715,25 +716,30 @@ def _project_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out."""
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     tok0, nq, nk, row_q, row_k = _sequence(pid_bh, H, CU, Nq, Nk, TOTAL, VARLEN)
     Ntok = nq if SIGN == 1 else nk
     row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_d = tl.arange(0, HEAD_DIM)
+    t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
-    x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=offs_t[:, None] < Ntok)
-    table = tl.load(TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_w[:, None] < W)
-    z = tl.dot(x, tl.trans(table), input_precision=PREC)
-    if FOLD_BIAS:
-        z += tl.load(BIAS + h * sb_h + start + offs_w, mask=offs_w < W, other=0.0)[None, :]
-    if CLAMP_FP16:
-        z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
-    z_ptrs = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS + offs_w[None, :]
-    tl.store(z_ptrs, z.to(Z.dtype.element_ty), mask=(offs_t[:, None] < Ntok) & (offs_w[None, :] < W))
+    x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None])
+    z_rows = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS
+    col_end = tl.minimum((pid_w + 1) * cols_per_program, W)
+    for w0 in range(pid_w * cols_per_program, col_end, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        w_ok = offs_w < col_end
+        table = tl.load(TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None])
+        z = tl.dot(x, tl.trans(table), input_precision=PREC)
+        if FOLD_BIAS:
+            z += tl.load(BIAS + h * sb_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
+        if CLAMP_FP16:
+            z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
+        tl.store(z_rows + offs_w[None, :], z.to(Z.dtype.element_ty), mask=t_ok[:, None] & w_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1877,7 +1883,10 @@ def _project(x, table, bias, geo, cfg, query_side):
     stride = geo.row_stride(width)  # rows start 32-byte aligned: vector stores and loads
     z = torch.empty((geo.token_rows(query_side), stride), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
-    grid = (triton.cdiv(width, c.block_w), triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
+    token_programs = triton.cdiv(ntok, c.block_t) * geo.batch * geo.heads
+    splits = _rt.column_splits(token_programs, triton.cdiv(width, c.block_w), x.device)
+    cols = triton.cdiv(triton.cdiv(width, splits), c.block_w) * c.block_w
+    grid = (triton.cdiv(width, cols), triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
     _project_kernel[grid](
         x,
         table,
@@ -1893,6 +1902,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         geo.c,
         width,
         stride,
+        cols,
         HEAD_DIM=geo.head_dim,
         BLOCK_T=c.block_t,
         BLOCK_W=c.block_w,

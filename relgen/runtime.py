@@ -157,7 +157,7 @@ def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelCon
         group=128,
         forward=fwd,
         backward=bwd,
-        project=ProjectTiles(64, 64, num_warps=4, num_stages=2),
+        project=ProjectTiles(128, 64, num_warps=4, num_stages=3),
         reduce=ReduceTiles(64, 64, 64 if not big_d else 32, num_warps=4, num_stages=2),
     )
 
@@ -169,6 +169,15 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
     return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
+
+
+def column_splits(token_programs: int, column_blocks: int, device: torch.device) -> int:
+    """Into how many runs of columns the projection splits each window: one per token block when that alone
+    fills the GPU (each program then streams its whole window), more when there are few token blocks."""
+    if device.type != "cuda":
+        return min(column_blocks, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(column_blocks, math.ceil(4 * sms / max(token_programs, 1))))
 
 
 def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
