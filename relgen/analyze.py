@@ -122,9 +122,10 @@ class Plan:
     def summary(self) -> str:
         """One line: what the generated kernels are specialised on."""
         return (
-            f"{self.spec_name}: map={self.map_kind} terms={'+'.join(self.terms)} R={self.rows}"
-            f"{'(length-dependent)' if self.length_dependent else ''} path={self.path} "
-            f"saturation=[{self.saturation_low}, {self.saturation_high}] C={self.expanded_rows} "
+            f"{self.spec_name}: map={self.map_kind} terms={'+'.join(self.terms)} "
+            f"{f'R=2N-1 (N={self.seq_len}: {self.rows})' if self.length_dependent else f'R={self.rows}'} "
+            f"path={self.path} saturation=[{self.saturation_low}, {self.saturation_high}]"
+            f"{' (N-dependent)' if self.length_dependent else ''} C={self.expanded_rows} "
             f"copies={'yes' if self.has_copies else 'no'} causal={self.causal} "
             f"shared_tables={self.heads_share_tables}"
         )

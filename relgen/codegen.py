@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import jinja2
@@ -29,6 +28,7 @@ class GenerationFlags:
     dz_query: bool  # the query-parallel pass writes dZ̃^Q
     dz_key: bool  # the key-parallel pass writes dZ̃^K
     bias_from: str | None  # which dZ̃ yields db
+    terms_literal: str
     copy_map_literal: str
     fold_literal: str
     valid_up_to: int | None
@@ -53,6 +53,7 @@ class GenerationFlags:
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
             bias_from=bias_from,
+            terms_literal="(" + "".join(f'"{t}", ' for t in plan.terms).rstrip() + ")",
             copy_map_literal=_copy_map_literal(plan),
             fold_literal=_fold_literal(plan),
             valid_up_to=None if plan.saturation_proven or plan.length_dependent else plan.seq_len,
@@ -60,12 +61,28 @@ class GenerationFlags:
         )
 
 
+def _tuple_literal(items: list[str], indent: int = 8, width: int = 116) -> str:
+    """A tuple literal wrapped into lines of at most `width` characters (the module keeps it `fmt: off`)."""
+    if not items:
+        return "()"
+    lines, line = [], ""
+    for item in items:
+        piece = f"{item}, "
+        if line and indent + len(line) + len(piece) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+    lines.append(line.rstrip())
+    pad = " " * indent
+    return "(\n" + "\n".join(pad + text for text in lines) + "\n" + " " * (indent - 4) + ")"
+
+
 def _copy_map_literal(plan: Plan) -> str:
     """β as the module stores it: 'identity'/'reversed' for identity maps (their C grows with N), else a tuple."""
     beta = plan.copy_map
     if plan.length_dependent:
         return '"reversed"' if len(beta) > 1 and beta[0] > beta[-1] else '"identity"'
-    return repr(tuple(beta))
+    return _tuple_literal([str(b) for b in beta])
 
 
 def _fold_literal(plan: Plan) -> str:
@@ -77,17 +94,24 @@ def _fold_literal(plan: Plan) -> str:
     for s, row in enumerate(plan.copy_map):
         first.setdefault(row, s)
         count[row] = count.get(row, 0) + 1
-    runs = tuple((first.get(r, 0), count.get(r, 0)) for r in range(plan.rows))
-    return repr(runs)
+    return _tuple_literal([f"({first.get(r, 0)}, {count.get(r, 0)})" for r in range(plan.rows)])
+
+
+def _template_dir() -> Path:
+    """templates/ beside the package: inside it in a wheel (relgen/templates), or at the top of a source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / TEMPLATE).exists():
+            return candidate
+    raise FileNotFoundError(f"{TEMPLATE} not found beside {here}: is the package installed with its templates?")
 
 
 def _environment() -> jinja2.Environment:
-    try:
-        loader: jinja2.BaseLoader = jinja2.FileSystemLoader(str(resources.files("relgen.templates")))
-    except ModuleNotFoundError:  # running from a source tree without installation
-        loader = jinja2.FileSystemLoader(str(Path(__file__).resolve().parent.parent / "templates"))
     return jinja2.Environment(
-        loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+        loader=jinja2.FileSystemLoader(str(_template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
     )
 
 

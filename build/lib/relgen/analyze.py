@@ -1,0 +1,289 @@
+"""The analyzer: spec + sequence length → `Plan`, the single input of code generation.
+
+Notation (docs/glossary.md): δ = i − j; φ(δ) the map; R its rows; L ≤ U the saturation bounds (φ is constant on
+δ ≤ L and on δ ≥ U); C = U − L + 1 expanded columns with s(δ) = clip(δ, L, U) − L and copy map β(s) = φ(s + L),
+so that φ(δ) = β(s(δ)) (bucket copies Ã = E·A); G the group size; Ω_g the reachable columns of query group g,
+[s0(g), s0(g) + W).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import sympy
+
+from relgen.maps import ExpressionMap, IdentityMap
+from relgen.spec import MechanismSpec, SpecError, load_spec
+
+#: Query/key group size G: the largest tile, so every tile reads one group's window.
+GROUP_SIZE = 128
+#: Longest window tried when searching the length from which a map's saturation provably holds.
+MAX_CANONICAL_LENGTH = 1 << 16
+#: Offset magnitude standing in for ±∞ when checking that a monotone map kind has reached its limit row.
+_FAR = 1 << 30
+
+Path = Literal["offset", "atomic"]
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """The offsets (within the window) that read one table row, as closed intervals."""
+
+    row: int
+    intervals: tuple[tuple[int, int], ...]
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.intervals) == 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything code generation and dispatch need to know about one mechanism at one sequence length."""
+
+    spec_name: str
+    spec_hash: str
+    seq_len: int
+    map_kind: str
+    terms: tuple[str, ...]
+    causal: bool
+    heads_share_tables: bool
+    scale: str
+    rows: int
+    length_dependent: bool
+    contiguous: bool
+    path: Path
+    row_spans: tuple[RowSpan, ...]
+    row_order: tuple[int, ...]
+    unreached_rows: tuple[int, ...]
+    saturation_low: int
+    saturation_high: int
+    saturation_proven: bool
+    copy_map: tuple[int, ...]
+    group_size: int
+    query_window: int
+    key_window: int
+    groups: int
+    cost: dict[str, float] = field(default_factory=dict)
+
+    # -- derived -------------------------------------------------------------------------------------------
+    @property
+    def expanded_rows(self) -> int:
+        """C = U − L + 1."""
+        return self.saturation_high - self.saturation_low + 1
+
+    @property
+    def has_copies(self) -> bool:
+        """True when some bucket is copied to several columns (E is not a permutation)."""
+        return len(set(self.copy_map)) < len(self.copy_map)
+
+    @property
+    def copy_is_identity(self) -> bool:
+        """True when β(s) = s: the expanded table is the table itself (identity and clipped maps)."""
+        return self.copy_map == tuple(range(len(self.copy_map))) and self.rows == len(self.copy_map)
+
+    @property
+    def has_query(self) -> bool:
+        return "query" in self.terms
+
+    @property
+    def has_key(self) -> bool:
+        return "key" in self.terms
+
+    @property
+    def has_bias(self) -> bool:
+        return "bias" in self.terms
+
+    @property
+    def bias_folded_into(self) -> Literal["query", "key", None]:
+        """Which stored projection carries b, so a score reads two entries instead of three."""
+        if not self.has_bias:
+            return None
+        if self.has_query:
+            return "query"
+        if self.has_key:
+            return "key"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["row_spans"] = [{"row": s.row, "intervals": [list(i) for i in s.intervals]} for s in self.row_spans]
+        data["saturation"] = {"low": self.saturation_low, "high": self.saturation_high}
+        data["expanded_rows"] = self.expanded_rows
+        data["has_copies"] = self.has_copies
+        data["copy_is_identity"] = self.copy_is_identity
+        data["bias_folded_into"] = self.bias_folded_into
+        data["deterministic"] = self.path == "offset"
+        return data
+
+    def summary(self) -> str:
+        """One line: what the generated kernels are specialised on."""
+        return (
+            f"{self.spec_name}: map={self.map_kind} terms={'+'.join(self.terms)} R={self.rows}"
+            f"{'(length-dependent)' if self.length_dependent else ''} path={self.path} "
+            f"saturation=[{self.saturation_low}, {self.saturation_high}] C={self.expanded_rows} "
+            f"copies={'yes' if self.has_copies else 'no'} causal={self.causal} "
+            f"shared_tables={self.heads_share_tables}"
+        )
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+
+def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_dim: int = 64) -> Plan:
+    """Analyze `spec` over the window δ ∈ [−(N−1), N−1] of N = `seq_len` tokens.
+
+    Without `seq_len`, the canonical length is used: the shortest power of two from which the saturation
+    bounds provably hold for every longer sequence (the plan code generation is specialised on).
+    """
+    spec = load_spec(spec)
+    if seq_len is None:
+        seq_len = canonical_length(spec)
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    n = seq_len
+    deltas = np.arange(-(n - 1), n)
+    try:
+        rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
+    except ValueError as err:
+        raise SpecError(f"field 'map': {err}") from None
+    num_rows = spec.map.num_rows(n)
+
+    spans = _row_spans(rows, deltas)
+    contiguous = all(s.contiguous for s in spans)
+    low, high = _saturation(rows, deltas, spec.causal)
+    proven = _saturation_proven(spec, rows, deltas, low, high)
+    copy_map = tuple(int(rows[low - deltas[0] + s]) for s in range(high - low + 1))
+    c = high - low + 1
+    g = GROUP_SIZE
+    window = min(c, n + g - 1)
+    return Plan(
+        spec_name=spec.name,
+        spec_hash=spec.spec_hash(),
+        seq_len=n,
+        map_kind=spec.map.kind,
+        terms=spec.terms,
+        causal=spec.causal,
+        heads_share_tables=spec.heads_share_tables,
+        scale=str(spec.scale) if spec.scale is not None else "1/sqrt(d)",
+        rows=num_rows,
+        length_dependent=spec.map.length_dependent,
+        contiguous=contiguous,
+        path="offset" if contiguous else "atomic",
+        row_spans=tuple(spans),
+        row_order=tuple(s.row for s in sorted(spans, key=lambda s: s.intervals[0][0])),
+        unreached_rows=tuple(sorted(set(range(num_rows)) - {s.row for s in spans})),
+        saturation_low=low,
+        saturation_high=high,
+        saturation_proven=proven,
+        copy_map=copy_map,
+        group_size=g,
+        query_window=window,
+        key_window=window,
+        groups=-(-n // g),
+        cost=_cost(spec, n, low, high, window, head_dim),
+    )
+
+
+def _row_spans(rows: np.ndarray, deltas: np.ndarray) -> list[RowSpan]:
+    """Group consecutive offsets by row: each maximal run of one row is an interval."""
+    change = np.flatnonzero(np.diff(rows)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change - 1, [len(rows) - 1]])
+    by_row: dict[int, list[tuple[int, int]]] = {}
+    for a, b in zip(starts, ends, strict=True):
+        by_row.setdefault(int(rows[a]), []).append((int(deltas[a]), int(deltas[b])))
+    return [RowSpan(row, tuple(iv)) for row, iv in sorted(by_row.items())]
+
+
+def _saturation(rows: np.ndarray, deltas: np.ndarray, causal: bool) -> tuple[int, int]:
+    """Tightest L, U with φ constant on δ ≤ L and on δ ≥ U within the window.
+
+    Causal specs mask every key with δ < 0, so their bounds are those of the half window δ ∈ [0, N−1]: L ≥ 0
+    (column 0 collects δ ≤ L, of which only 0 … L are ever read), and the bounds do not change once N exceeds
+    them (clamping the full window's L to 0 instead would depend on N for maps with φ(0) = φ(1)).
+    """
+    if causal:
+        rows, deltas = rows[deltas >= 0], deltas[deltas >= 0]
+    change = np.flatnonzero(np.diff(rows))
+    if change.size == 0:
+        low = high = 0
+    else:
+        low = int(deltas[change[0]])  # last offset of the first run
+        high = int(deltas[change[-1] + 1])  # first offset of the last run
+    return low, high
+
+
+def _saturation_proven(spec: MechanismSpec, rows: np.ndarray, deltas: np.ndarray, low: int, high: int) -> bool:
+    """Do the bounds hold for every longer window too (so one compiled plan serves all lengths)?"""
+    m = spec.map
+    if isinstance(m, IdentityMap):
+        return False
+    if isinstance(m, ExpressionMap):
+        return _prove_expression_saturation(m, low, high, int(rows[0]), int(rows[-1]), spec.causal)
+    # every other kind is monotone in δ on each side, so it is constant beyond once it reached its limit row
+    far = m.row_ids(np.array([-_FAR, _FAR]), 2 * _FAR)
+    below_ok = spec.causal or int(far[0]) == int(rows[0])
+    return below_ok and int(far[1]) == int(rows[-1])
+
+
+def _prove_expression_saturation(
+    m: ExpressionMap, low: int, high: int, row_low: int, row_high: int, causal: bool
+) -> bool:
+    """With sympy: expr(high + t) == row_high and expr(low − t) == row_low for every integer t ≥ 0."""
+    delta = sympy.Symbol("delta", integer=True)
+    t = sympy.Symbol("t", integer=True, nonnegative=True)
+    expr = m.sympy_expr
+    if m.offset == "key_minus_query":
+        expr = expr.subs(delta, -delta)
+    checks = [(high + t, row_high)] + ([] if causal else [(low - t, row_low)])
+    try:
+        return all(sympy.simplify(expr.subs(delta, at) - value) == 0 for at, value in checks)
+    except (TypeError, ValueError, NotImplementedError):  # sympy gives up on some Piecewise forms
+        return False
+
+
+def canonical_length(spec: MechanismSpec) -> int:
+    """The window code generation plans for: identity maps 128 (their bounds are runtime values); other maps the
+    shortest power of two whose bounds lie inside the window and are proven for every longer window, or, for an
+    expression map sympy cannot prove, the shortest whose bounds agree with a 4× longer window (the runtime
+    re-plans past it)."""
+    if spec.map.length_dependent:
+        return GROUP_SIZE
+    n = 16
+    while n <= MAX_CANONICAL_LENGTH:
+        low, high, proven = _bounds(spec, n)
+        empirical = isinstance(spec.map, ExpressionMap) and _bounds(spec, 4 * n)[:2] == (low, high)
+        if high < n - 1 and low > -(n - 1) and (proven or empirical):
+            return n
+        n *= 2
+    return MAX_CANONICAL_LENGTH
+
+
+def _bounds(spec: MechanismSpec, n: int) -> tuple[int, int, bool]:
+    deltas = np.arange(-(n - 1), n)
+    rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
+    low, high = _saturation(rows, deltas, spec.causal)
+    return low, high, _saturation_proven(spec, rows, deltas, low, high)
+
+
+def _cost(spec: MechanismSpec, n: int, low: int, high: int, window: int, head_dim: int) -> dict[str, float]:
+    """Per batch·head at this N: projection FLOPs, stored-projection bytes (fp16), band fraction of tiles."""
+    tables = int(spec.has_query) + int(spec.has_key)
+    tile_m, tile_n = GROUP_SIZE, 64
+    i0 = np.arange(0, n, tile_m)[:, None]
+    j0 = np.arange(0, n, tile_n)[None, :]
+    dmin = i0 - (j0 + tile_n - 1)
+    dmax = i0 + tile_m - 1 - j0
+    live = dmax >= 0 if spec.causal else np.ones_like(dmax, dtype=bool)
+    band = live & (dmin < high) & (dmax > low)
+    return {
+        "head_dim": head_dim,
+        "projection_flops": float(2 * n * window * head_dim * tables),
+        "projection_bytes": float(2 * n * window * tables),
+        "score_tiles": float(live.sum()),
+        "band_tile_fraction": float(band.sum() / max(live.sum(), 1)),
+    }

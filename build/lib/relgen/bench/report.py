@@ -1,0 +1,378 @@
+"""Tables and plots from the benchmark's records: attention.md, throughput.png, memory.png (and ablation.md).
+
+Callable alone (``relgen bench --report-only``): it reads only ``<out>/attention.json`` / ``ablation.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from relgen.bench.common import ABLATIONS, MECHANISMS, PASSES, SYSTEMS, load_records
+
+PASS_NAMES = {"fwd": "Forward", "bwd": "Backward"}
+STATUS_MARKS = {"oom": "oom", "error": "err", "timeout": "t/o", "unsupported": "n/s"}
+
+
+# -- formatting -------------------------------------------------------------------------------------------------
+def fmt_tflops(value: float) -> str:
+    """The paper's style: 279, 44, 7.1, 0.74."""
+    if value >= 10:
+        return f"{value:.0f}"
+    if value >= 1:
+        return f"{value:.1f}"
+    return f"{value:.2g}"
+
+
+def fmt_mib(value: float) -> str:
+    """222, 1.2K, 14K (K = 1024 MiB)."""
+    if value < 1000:
+        return f"{max(value, 0):.0f}"
+    if value < 10 * 1024:
+        return f"{value / 1024:.1f}K"
+    return f"{value / 1024:.0f}K"
+
+
+def fmt_n(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def system_label(system: str) -> str:
+    return SYSTEMS.get(system, {}).get("label", system)
+
+
+# -- grouping ---------------------------------------------------------------------------------------------------
+def _config(record: dict[str, Any]) -> tuple:
+    return (record.get("dtype"), record.get("heads"), record.get("head_dim"), record["batch"] * record["seq_len"])
+
+
+def _mechanism_order(records: Iterable[dict[str, Any]]) -> list[str]:
+    seen = {r["mechanism"] for r in records}
+    return [m for m in MECHANISMS if m in seen] + sorted(seen - set(MECHANISMS))
+
+
+def _system_order(records: Iterable[dict[str, Any]]) -> list[str]:
+    seen = {r["system"] for r in records}
+    return [s for s in SYSTEMS if s in seen] + sorted(seen - set(SYSTEMS))
+
+
+def _index(records: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """(system, pass, N) → record, for one mechanism and configuration (no ablation variants)."""
+    return {(r["system"], r["pass"], r["seq_len"]): r for r in records if not r.get("variant")}
+
+
+def _best(index: dict[tuple, dict[str, Any]], pass_: str, n: int, field: str, largest: bool) -> float | None:
+    values = [
+        r[field] for (_, p, m), r in index.items() if (p, m) == (pass_, n) and _counts(r) and r.get(field) is not None
+    ]
+    if not values:
+        return None
+    return max(values) if largest else min(values)
+
+
+def _counts(record: dict[str, Any]) -> bool:
+    """Measured, and doing the mechanism's work (the plain-SDPA ceiling is never the fastest or leanest)."""
+    return record.get("status") == "ok" and record.get("relative_terms", True)
+
+
+def _cell(record: dict[str, Any] | None, field: str, best: float | None, fmt) -> str:
+    if record is None:
+        return "–"
+    status = record.get("status", "error")
+    if status != "ok":
+        return STATUS_MARKS.get(status, status)
+    value = record.get(field)
+    if value is None:
+        return "?"
+    text = fmt(value)
+    if best is not None and record.get("relative_terms", True) and value == best:
+        text = f"**{text}**"
+    if record.get("exact") is False:
+        text += "†"
+    return text
+
+
+def _table(
+    index: dict[tuple, dict[str, Any]],
+    systems: list[str],
+    passes: list[str],
+    lens: list[int],
+    field: str,
+    largest: bool,
+) -> list[str]:
+    fmt = fmt_tflops if field == "tflops" else fmt_mib
+    head = ["System"] + [f"{pass_[0].upper()} {fmt_n(n)}" for pass_ in passes for n in lens]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    bests = {(p, n): _best(index, p, n, field, largest) for p in passes for n in lens}
+    for system in systems:
+        cells = [system_label(system)]
+        for pass_ in passes:
+            for n in lens:
+                cells.append(_cell(index.get((system, pass_, n)), field, bests[(pass_, n)], fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    if field == "tflops" and "relgen" in systems and len(systems) > 1:
+        cells = ["relgen vs. fastest peer"]
+        for pass_ in passes:
+            for n in lens:
+                cells.append(_speedup(index, pass_, n))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _speedup(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> str:
+    ours = index.get(("relgen", pass_, n))
+    peers = [r["tflops"] for (s, p, m), r in index.items() if s != "relgen" and (p, m) == (pass_, n) and _counts(r)]
+    if ours is None or ours.get("status") != "ok" or not peers:
+        return "–"
+    return f"{ours['tflops'] / max(peers):.2g}×"
+
+
+# -- Markdown ---------------------------------------------------------------------------------------------------
+def environment_line(records: list[dict[str, Any]]) -> str:
+    def values(field: str) -> str:
+        found = sorted({str(r[field]) for r in records if r.get(field)})
+        return ", ".join(found) if found else "?"
+
+    stamps = sorted(r["timestamp"] for r in records if r.get("timestamp"))
+    when = f"{stamps[0][:10]} – {stamps[-1][:10]}" if stamps else "?"
+    return (
+        f"GPU: {values('gpu')} · torch {values('torch')} · triton {values('triton')} · CUDA {values('cuda')} · "
+        f"measured {when}"
+    )
+
+
+def clocks_line(records: list[dict[str, Any]]) -> str | None:
+    states = [r["gpu_state"] for r in records if isinstance(r.get("gpu_state"), dict)]
+    sm = [s["sm_mhz"] for s in states if s.get("sm_mhz") is not None]
+    if not sm:
+        return None
+    power = [s["power_w"] for s in states if s.get("power_w") is not None]
+    temp = [s["temp_c"] for s in states if s.get("temp_c") is not None]
+    parts = [f"SM clock {min(sm):.0f}–{max(sm):.0f} MHz"]
+    if power:
+        parts.append(f"power {min(power):.0f}–{max(power):.0f} W")
+    if temp:
+        parts.append(f"temperature {min(temp):.0f}–{max(temp):.0f} °C")
+    return "Read after each timing (clocks not locked): " + ", ".join(parts) + "."
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    records = [r for r in records if not r.get("variant")]
+    lines = ["# Attention kernels: relgen against its peers", ""]
+    if not records:
+        return "\n".join([*lines, "No records.", ""])
+    modes = sorted({r["process_per"] for r in records if r.get("process_per")})
+    first = records[0]
+    tokens = first["batch"] * first["seq_len"]
+    compile_modes = sorted({r["compile_mode"] for r in records if r.get("compile_mode")})
+    lines += [
+        environment_line(records),
+        "",
+        f"One attention layer, bidirectional, {first.get('dtype')}, H={first.get('heads')}, d={first.get('head_dim')}, "
+        f"the paper's protocol (§5.2, App. D): {tokens} tokens, B = {tokens}/N, forward "
+        "(q, k, v, tables → O) and backward (→ every gradient, forward state kept) timed separately with "
+        "triton.testing.do_bench (median, L2 flushed), compilation and autotuning excluded. Throughput credits every "
+        "system of a mechanism the same work: 4BHN²d + 2BHNRd per relation projection forward, twice that backward, "
+        "so ratios are latency ratios. Peak memory: allocated beyond the inputs (backward: also beyond the kept "
+        "forward state).",
+        "",
+        "**bold**: fastest / leanest system with relative terms; †: fails the FP32 check (relgen.testing.check_close); "
+        "oom: out of memory; err: error; t/o: timed out; n/s: unsupported; –: not run. "
+        f"Processes: one per {', '.join(modes) or '?'}; torch.compile mode: {', '.join(compile_modes) or 'n/a'}.",
+    ]
+    clocks = clocks_line(records)
+    if clocks:
+        lines += ["", clocks]
+    by_config: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_config[_config(r)].append(r)
+    for config, group in sorted(by_config.items(), key=lambda kv: str(kv[0])):
+        dtype, heads, head_dim, tokens = config
+        if len(by_config) > 1:
+            lines += ["", f"## {dtype}, H={heads}, d={head_dim}, {tokens} tokens"]
+        for mechanism in _mechanism_order(group):
+            mech = [r for r in group if r["mechanism"] == mechanism]
+            index = _index(mech)
+            lens = sorted({r["seq_len"] for r in mech})
+            passes = [p for p in PASSES if any(r["pass"] == p for r in mech)]
+            systems = _system_order(mech)
+            rows = sorted({(r["seq_len"], r.get("rows")) for r in mech if r.get("rows")})
+            if len({R for _, R in rows}) > 1:
+                rows_text = f"R={rows[0][1]} at {fmt_n(rows[0][0])} … {rows[-1][1]} at {fmt_n(rows[-1][0])}"
+            else:
+                rows_text = f"R={rows[0][1]}" if rows else ""
+            source = next((r["spec_source"] for r in mech if r.get("spec_source")), None)
+            lines += ["", f"### {mechanism}" + (f" ({rows_text})" if rows_text else "")]
+            if source:
+                lines += ["", f"Spec: `{source}`."]
+            lines += ["", "Throughput (TFLOP/s, higher is better):", ""]
+            lines += _table(index, systems, passes, lens, "tflops", largest=True)
+            lines += ["", "Peak memory (MiB, lower is better):", ""]
+            lines += _table(index, systems, passes, lens, "peak_mib", largest=False)
+            failures = [r for r in mech if r.get("status") != "ok" or r.get("exact") is False]
+            if failures:
+                lines += ["", "Notes:", ""]
+                for r in sorted(failures, key=lambda r: (r["system"], r["pass"], r["seq_len"])):
+                    what = f"{system_label(r['system'])} {r['pass']} N={fmt_n(r['seq_len'])}"
+                    if r.get("status") != "ok":
+                        message = (r.get("error") or "").replace("\n", " ").replace("|", "/")[:200]
+                        lines.append(f"- {what}: {r['status']}: {message}")
+                    else:
+                        failed = [f"{k}: {v}" for k, v in (r.get("check") or {}).items() if not str(v).startswith("ok")]
+                        lines.append(f"- {what}: inexact ({'; '.join(failed)[:300]})")
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ------------------------------------------------------------------------------------------------------
+def plot(records: list[dict[str, Any]], field: str, path: Path) -> Path | None:
+    """One panel per (pass, mechanism): `field` against N for every system; × marks inexact points."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return None
+    records = [r for r in records if not r.get("variant") and r.get("status") == "ok" and r.get(field) is not None]
+    if not records:
+        return None
+    mechanisms = _mechanism_order(records)
+    passes = [p for p in PASSES if any(r["pass"] == p for r in records)]
+    systems = _system_order(records)
+    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
+    fig, axes = plt.subplots(
+        len(passes), len(mechanisms), figsize=(4.2 * len(mechanisms), 3.4 * len(passes)), squeeze=False
+    )
+    ylabel = "TFLOP/s" if field == "tflops" else "peak MiB"
+    for row, pass_ in enumerate(passes):
+        for col, mechanism in enumerate(mechanisms):
+            ax = axes[row][col]
+            for system in systems:
+                points = sorted(
+                    (r["seq_len"], r[field], r.get("exact"))
+                    for r in records
+                    if r["mechanism"] == mechanism and r["pass"] == pass_ and r["system"] == system
+                )
+                if not points:
+                    continue
+                xs, ys = [p[0] for p in points], [p[1] for p in points]
+                ours = system == "relgen"
+                ax.plot(
+                    xs,
+                    ys,
+                    marker="o",
+                    markersize=3.5,
+                    linewidth=2.4 if ours else 1.2,
+                    linestyle="--" if not SYSTEMS.get(system, {}).get("relative", True) else "-",
+                    color=colors.get(system),
+                    label=system_label(system),
+                )
+                bad = [(x, y) for x, y, exact in points if exact is False]
+                if bad:
+                    ax.scatter([x for x, _ in bad], [y for _, y in bad], marker="x", s=60, color="black", zorder=5)
+            ax.set_xscale("log", base=2)
+            lens = sorted({r["seq_len"] for r in records})
+            ax.set_xticks(lens)
+            ax.set_xticklabels([fmt_n(n) for n in lens], fontsize=7)
+            if field == "peak_mib":
+                ax.set_yscale("log")
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_title(f"{mechanism} — {PASS_NAMES[pass_].lower()}", fontsize=10)
+            ax.set_xlabel("N (tokens per sequence)", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+            labels[label] = label
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)), fontsize=8)
+    title = "Throughput" if field == "tflops" else "Peak memory beyond the inputs"
+    fig.suptitle(f"{title} (× fails the FP32 check)", fontsize=11)
+    rows_of_legend = math.ceil(len(handles) / 4)
+    fig.tight_layout(rect=(0, 0.05 * rows_of_legend, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- ablation ---------------------------------------------------------------------------------------------------
+def ablation_markdown(records: list[dict[str, Any]]) -> str:
+    """Table 7: each variant's latency and peak memory relative to full relgen, as min–max over mechanisms and N."""
+    base = {
+        (r["mechanism"], r["pass"], r["seq_len"]): r
+        for r in records
+        if r["system"] == "relgen" and not r.get("variant") and r.get("status") == "ok"
+    }
+    lines = [
+        "# relgen ablations (Table 7)",
+        "",
+        environment_line(records),
+        "",
+        "Latency and peak memory of relgen with one component switched off, relative to full relgen (× > 1: the "
+        "component helps), as the range over mechanisms and lengths. –: not applicable or not measured; "
+        "unsupported: relgen does not expose the switch yet (no number is reported).",
+        "",
+        "| w/o | Latency fwd | Latency bwd | Memory fwd | Memory bwd | Mechanisms |",
+        "|---|---|---|---|---|---|",
+    ]
+    details: list[str] = []
+    for variant in [*ABLATIONS, *sorted({r["variant"] for r in records if r.get("variant")} - set(ABLATIONS))]:
+        mine = [r for r in records if r.get("variant") == variant]
+        if not mine:
+            continue
+        cells = [variant]
+        for field in ("ms", "peak_mib"):
+            for pass_ in PASSES:
+                ratios = []
+                for r in mine:
+                    ref = base.get((r["mechanism"], r["pass"], r["seq_len"]))
+                    if r["pass"] == pass_ and r.get("status") == "ok" and ref and r.get(field) and ref.get(field):
+                        ratios.append(r[field] / ref[field])
+                if ratios:
+                    lo, hi = min(ratios), max(ratios)
+                    cells.append(f"{lo:.2g}" if f"{lo:.2g}" == f"{hi:.2g}" else f"{lo:.2g}–{hi:.2g}")
+                elif any(r["pass"] == pass_ and r.get("status") == "unsupported" for r in mine):
+                    cells.append("unsupported")
+                else:
+                    cells.append("–")
+        cells.append(", ".join(sorted({r["mechanism"] for r in mine if r.get("status") == "ok"})) or "–")
+        lines.append("| " + " | ".join(cells) + " |")
+        for r in mine:
+            if r.get("status") not in ("ok", "unsupported") or r.get("exact") is False:
+                what = f"{variant} {r['mechanism']} {r['pass']} N={fmt_n(r['seq_len'])}"
+                details.append(
+                    f"- {what}: {r.get('status')}{'†' if r.get('exact') is False else ''} "
+                    f"{(r.get('error') or '')[:200]}"
+                )
+    if details:
+        lines += ["", "Notes:", "", *details]
+    return "\n".join(lines) + "\n"
+
+
+# -- entry point ------------------------------------------------------------------------------------------------
+def write_reports(out: Path) -> list[Path]:
+    """Rewrite every report whose JSON exists under `out`; returns the files written."""
+    out = Path(out)
+    written: list[Path] = []
+    attention = out / "attention.json"
+    if attention.exists():
+        records = load_records(attention)
+        md = out / "attention.md"
+        md.write_text(markdown(records))
+        written.append(md)
+        for field, name in (("tflops", "throughput.png"), ("peak_mib", "memory.png")):
+            path = plot(records, field, out / name)
+            if path is not None:
+                written.append(path)
+    ablation = out / "ablation.json"
+    if ablation.exists():
+        md = out / "ablation.md"
+        md.write_text(ablation_markdown(load_records(ablation)))
+        written.append(md)
+    return written

@@ -1,0 +1,340 @@
+"""The `relgen` command line.
+
+    relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON)
+    relgen validate SPEC...                        load and analyze each spec, one line per spec
+    relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.codegen.cli_build)
+    relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.verify.cli_check)
+    relgen tune SPEC... [--out PATH]               tile configurations, CUDA only     (relgen.tune.cli_tune)
+    relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.tune.cli_warmup)
+    relgen bench ...                               passed through to relgen.bench.cli.main
+
+A spec that cannot be loaded or analyzed (`SpecError`, `ValueError`) ends the command with one line on stderr,
+``relgen: error: <message>``, and exit status 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from relgen import __version__
+from relgen.analyze import Plan, analyze
+from relgen.spec import MechanismSpec, SpecError, load_spec
+
+#: Exit status of a command stopped by a bad spec, a bad argument or a missing subcommand.
+EXIT_ERROR = 2
+DEFAULT_SEQ_LEN = 1024
+DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+
+#: Subcommands implemented elsewhere: name → (module, function). Each function takes the argparse Namespace and
+#: returns an exit status. They are imported only when their subcommand runs (they pull in triton).
+HOOKS: dict[str, tuple[str, str]] = {
+    "build": ("relgen.codegen", "cli_build"),
+    "check": ("relgen.verify", "cli_check"),
+    "tune": ("relgen.tune", "cli_tune"),
+    "warmup": ("relgen.tune", "cli_warmup"),
+}
+BENCH_MODULE = "relgen.bench.cli"
+
+
+class CommandError(Exception):
+    """A problem to report as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# entry point
+# ------------------------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script passes it to sys.exit)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            if args_list[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
+                return _bench(args_list[1:])
+            args = build_parser().parse_args(args_list)
+        except SystemExit as stop:  # argparse: --help, --version or a usage error (already printed)
+            return _exit_code(stop.code)
+        return int(args.handler(args) or 0)
+    except (SpecError, ValueError, CommandError) as err:
+        return _error(str(err))
+    except BrokenPipeError:  # e.g. `relgen explain --json ... | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relgen",
+        description="A compiler for relative-position attention: exact fused Triton kernels from a short spec.",
+    )
+    parser.add_argument("--version", action="version", version=f"relgen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("explain", help="show the analyzer's plan for a spec")
+    p.add_argument("spec", metavar="SPEC", help="YAML spec file")
+    p.add_argument(
+        "--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="N", help=f"sequence length (default {DEFAULT_SEQ_LEN})"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(handler=cmd_explain)
+
+    p = sub.add_parser("validate", help="load and analyze specs")
+    p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
+    p.add_argument(
+        "--seq-len", type=int, default=None, metavar="N", help="sequence length (default: the canonical length)"
+    )
+    p.set_defaults(handler=cmd_validate)
+
+    # -- hooks: subcommands implemented in relgen.codegen / relgen.verify / relgen.tune (see HOOKS) -----------
+    p = sub.add_parser("build", help="write the generated kernel modules")
+    p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
+    p.add_argument("-o", "--out", default="generated", metavar="DIR", help="output folder (default: generated)")
+    p.set_defaults(handler=_hook("build"))
+
+    p = sub.add_parser("check", help="compare each spec's kernels with the FP64 reference")
+    p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
+    p.add_argument(
+        "--seq-len", type=int, nargs="+", default=None, metavar="N", help="sequence lengths to check (default 1 17 130)"
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=DTYPE_CHOICES, help="input dtype (default: fp32 on the CPU, fp16 on a GPU)"
+    )
+    p.add_argument("--head-dim", type=int, default=None, metavar="D", help="head dimension (default: 16 CPU, 64 GPU)")
+    p.set_defaults(handler=_hook("check"))
+
+    p = sub.add_parser("tune", help="tune tile configurations (needs a CUDA GPU)")
+    p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
+    p.add_argument(
+        "--out", default=None, metavar="PATH", help="table to write (default relgen/tuning_tables/smXY.json)"
+    )
+    p.add_argument(
+        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+    )
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, metavar="S", help="stop cleanly after about S seconds (keeps results)"
+    )
+    p.add_argument("--resume", action="store_true", help="skip entries already in the table")
+    p.set_defaults(handler=_hook("tune"))
+
+    p = sub.add_parser("warmup", help="compile the kernels ahead of time (needs a CUDA GPU)")
+    p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
+    p.add_argument(
+        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+    )
+    p.set_defaults(handler=_hook("warmup"))
+
+    # listed for --help only: main() hands `bench ...` to relgen.bench.cli before argparse sees it
+    sub.add_parser("bench", help="benchmarks (relgen bench --help)", add_help=False)
+    return parser
+
+
+def _exit_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _error(message: str) -> int:
+    print(f"relgen: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+# ------------------------------------------------------------------------------------------------------------
+# explain / validate
+# ------------------------------------------------------------------------------------------------------------
+def _load(path: str) -> MechanismSpec:
+    return load_spec(Path(path))
+
+
+def _analyze(path: str, seq_len: int | None) -> tuple[MechanismSpec, Plan]:
+    spec = _load(path)
+    try:
+        return spec, analyze(spec, seq_len)
+    except (SpecError, ValueError) as err:  # analysis errors do not name the file: add it
+        message = str(err)
+        raise type(err)(message if message.startswith(path) else f"{path}: {message}") from None
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    spec, plan = _analyze(args.spec, args.seq_len)
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(explain_text(spec, plan))
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.specs:
+        try:
+            _, plan = _analyze(path, args.seq_len)
+        except (SpecError, ValueError) as err:
+            status = _error(str(err))
+            continue
+        print(f"ok  {path}  {plan.summary()}")
+    return status
+
+
+def explain_text(spec: MechanismSpec, plan: Plan) -> str:
+    """The plan as a readable table."""
+    n = plan.seq_len
+    lines: list[str] = []
+
+    def row(label: str, value: object) -> None:
+        lines.append(f"  {label:<22}{value}")
+
+    lines.append(f"{plan.spec_name} at N = {n}  (spec hash {plan.spec_hash})")
+    if spec.description:
+        lines.extend(textwrap.wrap(spec.description, width=110, initial_indent="  ", subsequent_indent="  "))
+    lines.append("")
+    row("map", _map_text(spec))
+    row("terms", " + ".join(_TERM_TEXT[t] for t in plan.terms))
+    row("scale τ", f"{spec.scale if spec.scale is not None else '1/sqrt(d)'}  (= {spec.scale_value(64):.6g} at d = 64)")
+    row("causal", "yes" if plan.causal else "no")
+    row("tables", "one per layer, shared by all heads" if plan.heads_share_tables else "one per head")
+    length_note = "  (2N − 1: grows with the sequence length)" if plan.length_dependent else ""
+    row("rows R", f"{plan.rows}{length_note}")
+    if plan.contiguous:
+        row("contiguity", "contiguous: every row covers one interval of offsets δ")
+    else:
+        split = [s for s in plan.row_spans if not s.contiguous]
+        example = split[0]
+        spans = ", ".join(f"[{a}, {b}]" for a, b in example.intervals[:4])
+        more = ", ..." if len(example.intervals) > 4 else ""
+        row(
+            "contiguity",
+            f"NOT contiguous: {len(split)} rows cover several intervals (row {example.row}: {spans}{more})",
+        )
+    if plan.path == "offset":
+        row("path", "offset: atomic-free backward (one writer per gradient entry), bitwise deterministic")
+    else:
+        row(
+            "path",
+            f"{plan.path}: gradients use fp32 atomic adds and are NOT bitwise deterministic (run-to-run differences "
+            "at fp32 rounding level)",
+        )
+    row("saturation low L", f"{plan.saturation_low}  (φ constant on δ ≤ L)")
+    row("saturation high U", f"{plan.saturation_high}  (φ constant on δ ≥ U)")
+    row("beyond the window", _proof_text(plan))
+    row("expanded rows C", f"{plan.expanded_rows}  (= U − L + 1)")
+    if plan.copy_is_identity:
+        copies = "none: β is the identity, the expanded table is the table itself"
+    elif plan.has_copies:
+        copies = f"yes: {plan.rows} rows expand to {plan.expanded_rows} columns (β(s) = φ(s + L))"
+    else:
+        copies = "no: β is one-to-one (a reordering of the rows)"
+    row("copies", copies)
+    row("row order (by δ)", _abbreviate(plan.row_order))
+    row("unreached rows", _abbreviate(plan.unreached_rows) if plan.unreached_rows else "none")
+    row("group size G", plan.group_size)
+    row("query window W", f"{plan.query_window}  (= min(C, N + G − 1))")
+    row("key window", plan.key_window)
+    row("groups", f"{plan.groups}  (= ⌈N / G⌉)")
+    if plan.cost:
+        lines.append("  cost (per batch·head):")
+        for key, value in plan.cost.items():
+            lines.append(f"    {_COST_TEXT.get(key, key):<32}{_number(value)}")
+    return "\n".join(lines)
+
+
+_TERM_TEXT = {"query": "query (q_i·a^Q_φ)", "key": "key (k_j·a^K_φ)", "bias": "bias (b_φ)"}
+_COST_TEXT = {
+    "head_dim": "head dim d",
+    "projection_flops": "projection FLOPs",
+    "projection_bytes": "stored projections (fp16 bytes)",
+    "score_tiles": "live score tiles",
+    "band_tile_fraction": "band tile fraction",
+}
+
+
+def _map_text(spec: MechanismSpec) -> str:
+    fields = spec.map.model_dump()
+    kind = fields.pop("kind")
+    params = ", ".join(f"{k}={v}" for k, v in fields.items())
+    return f"{kind} ({params})" if params else kind
+
+
+def _proof_text(plan: Plan) -> str:
+    if plan.length_dependent:
+        return "no: identity map, L = −(N − 1) and U = N − 1 grow with N"
+    if plan.saturation_proven:
+        return "yes: proven, the bounds hold for every longer sequence"
+    return "not proven: the bounds hold within this window only (longer sequences are re-planned)"
+
+
+def _abbreviate(values: Sequence[int], head: int = 6, tail: int = 3) -> str:
+    if len(values) <= head + tail + 1:
+        return ", ".join(map(str, values))
+    return f"{', '.join(map(str, values[:head]))}, ..., {', '.join(map(str, values[-tail:]))}  ({len(values)} rows)"
+
+
+def _number(value: float) -> str:
+    if float(value).is_integer():
+        value = int(value)
+        if abs(value) < 10_000:
+            return str(value)
+        unit, size = next((u, z) for u, z in (("G", 1e9), ("M", 1e6), ("k", 1e3)) if abs(value) >= z)
+        return f"{value}  ({value / size:.1f} {unit})"
+    return f"{value:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# hooks and the bench passthrough
+# ------------------------------------------------------------------------------------------------------------
+def _hook(command: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        module_name, function_name = HOOKS[command]
+        _interpret_without_gpu()
+        function = getattr(_import(module_name, command), function_name, None)
+        if function is None:
+            raise CommandError(f"'relgen {command}' is not available ({module_name}.{function_name} is missing)")
+        return int(function(args) or 0)
+
+    return run
+
+
+def _bench(argv: list[str]) -> int:
+    _interpret_without_gpu()
+    function = getattr(_import(BENCH_MODULE, "bench"), "main", None)
+    if function is None:
+        raise CommandError(f"'relgen bench' is not available ({BENCH_MODULE}.main is missing)")
+    return int(function(argv) or 0)
+
+
+def _import(module_name: str, command: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise CommandError(f"'relgen {command}' is not available ({module_name} is missing)") from None
+        raise
+
+
+def _interpret_without_gpu() -> None:
+    """Without a CUDA GPU, run kernels in Triton's interpreter (must happen before triton is imported)."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The FP64 eager oracle: relative-position attention straight from the relation equations (paper §3.2).
+
+    S_ij = τ (q_i·k_j + q_i·a^Q_φ + k_j·a^K_φ + b_φ) + M_ij,   P = softmax_j(S),   O = P V,
+    φ = φ((i + q_offset) − (j + k_offset))
+
+Every score gathers its own relation vector (``aq[:, rows]`` is a [H, Nq, Nk, d] tensor), so this is O(N²d) in
+time and memory: meant for tests on small inputs, never for speed. It depends only on the spec and on the map
+models' ``row_ids`` / ``num_rows`` (the single definition of φ), never on the analyzer, code generation or the
+runtime, so it can judge all three.
+
+Conventions shared with the kernels:
+
+* every input is cast with ``.to(torch.float64)``, so autograd flows back to the caller's tensors (whatever their
+  dtype) and the result is float64;
+* query rows without any valid key (all keys padded or causally masked) give O = 0, LSE = −inf and zero
+  gradients, never NaN;
+* dropout is described by an explicit ``keep_mask`` (True = kept): P·keep/(1 − p), after the softmax; the LSE
+  is that of the softmax before dropout;
+* packed sequences (``cu_seqlens``): each sequence attends only within itself, positions restart at 0, and
+  identity maps use L = ``max_seqlen`` (other maps do not depend on L).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from relgen.spec import MechanismSpec, load_spec
+
+__all__ = ["attention", "relation_rows"]
+
+
+def relation_rows(
+    spec: MechanismSpec | dict | str,
+    nq: int,
+    nk: int,
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    length: int | None = None,
+) -> torch.Tensor:
+    """Row ids φ((i + q_offset) − (j + k_offset)) as a LongTensor [nq, nk].
+
+    `length` is the identity map's L (R = 2L − 1); by default the longest position used,
+    max(q_offset + nq, k_offset + nk). Other maps ignore it.
+    """
+    spec = load_spec(spec)
+    for name, value in (("nq", nq), ("nk", nk), ("q_offset", q_offset), ("k_offset", k_offset)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if length is None:
+        length = max(q_offset + nq, k_offset + nk, 1)
+    if not isinstance(length, int | np.integer) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"length must be a positive integer, got {length!r}")
+    i = np.arange(nq, dtype=np.int64)[:, None] + q_offset
+    j = np.arange(nk, dtype=np.int64)[None, :] + k_offset
+    delta = i - j
+    rows = np.asarray(spec.map.row_ids(delta, int(length)), dtype=np.int64).reshape(nq, nk)
+    num_rows = spec.map.num_rows(int(length))
+    if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
+        raise ValueError(
+            f"length={length} is too short for these positions: offsets in "
+            f"[{int(delta.min())}, {int(delta.max())}] give rows outside [0, {num_rows})"
+        )
+    return torch.from_numpy(rows.copy())
+
+
+def attention(
+    spec: MechanismSpec | dict | str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    aq: torch.Tensor | None = None,
+    ak: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    keep_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    return_lse: bool = False,
+    length: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Relative-position attention in float64, differentiable with respect to every tensor input.
+
+    Dense layout: q [B, H, Nq, d], k [B, H, Nk, d], v [B, H, Nk, dv] → O [B, H, Nq, dv] (LSE [B, H, Nq]).
+    Packed layout (``cu_seqlens`` int32 [S + 1], ``max_seqlen``): q, k, v [total, H, d] → O [total, H, dv]
+    (LSE [total, H]); a packed ``keep_mask`` is [S, H, max_seqlen, max_seqlen], sequence s using its top-left
+    [n_s, n_s] block.
+
+    Tables: ``aq``/``ak`` [H, R, d] and ``bias`` [H, R] ([R, d] and [R] when ``spec.heads_share_tables``), with
+    R = ``spec.map.num_rows(L)``. Only the spec's terms are read (query → aq, key → ak, bias → bias); tables of
+    other terms are ignored.
+
+    ``scale``: τ, default ``spec.scale_value(d)``. ``key_padding_mask`` [B, Nk] bool, True = real key.
+    ``spec.causal`` masks keys with j + k_offset > i + q_offset. ``keep_mask`` [B, H, Nq, Nk] bool (True = kept)
+    with ``dropout_p`` applies P·keep/(1 − dropout_p). ``length``: the identity map's L (dense default
+    max(q_offset + Nq, k_offset + Nk); packed default ``max_seqlen``). ``return_lse``: also return the
+    natural-log log-sum-exp of the scaled, masked scores (−inf for rows without keys).
+    """
+    spec = load_spec(spec)
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0 and keep_mask is None:
+        raise ValueError("keep_mask is required when dropout_p > 0 (the reference draws no random numbers)")
+    tables = (aq, ak, bias)
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is only used with cu_seqlens")
+        masks = (key_padding_mask, keep_mask, float(dropout_p))
+        out, lse = _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length)
+    else:
+        if key_padding_mask is not None:
+            raise ValueError("key_padding_mask cannot be combined with cu_seqlens (packing has no padding)")
+        if q_offset or k_offset:
+            raise ValueError("q_offset/k_offset cannot be combined with cu_seqlens (positions restart per sequence)")
+        out, lse = _packed(spec, q, k, v, tables, scale, keep_mask, float(dropout_p), cu_seqlens, max_seqlen, length)
+    return (out, lse) if return_lse else out
+
+
+def _packed(spec, q, k, v, tables, scale, keep_mask, dropout_p, cu_seqlens, max_seqlen, length):
+    """Each sequence [cu_seqlens[s], cu_seqlens[s+1]) runs through the dense path on its own."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [S + 1]")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    if bounds[0] != 0 or any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    if max_seqlen is None:
+        raise ValueError("max_seqlen is required with cu_seqlens")
+    if max_seqlen < max(lengths):
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({max(lengths)})")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be [total, H, d] with cu_seqlens, got {_shape(x)}")
+        if x.shape[0] != bounds[-1]:
+            raise ValueError(f"{name} has {x.shape[0]} tokens but cu_seqlens[-1] = {bounds[-1]}")
+    if k.shape[1:] != q.shape[1:] or v.shape[1] != q.shape[1]:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must match q {list(q.shape)} in H (and d)")
+    num_seqs, heads = len(lengths), q.shape[1]
+    if keep_mask is not None and tuple(keep_mask.shape) != (num_seqs, heads, max_seqlen, max_seqlen):
+        raise ValueError(
+            f"keep_mask must be [S, H, max_seqlen, max_seqlen] = {[num_seqs, heads, max_seqlen, max_seqlen]} "
+            f"with cu_seqlens, got {_shape(keep_mask)}"
+        )
+    length = max_seqlen if length is None else length
+    outs, lses = [], []
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        n = b - a
+        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, d]
+        keep = None if keep_mask is None else keep_mask[s : s + 1, :, :n, :n]
+        out, lse = _dense(spec, qs, ks, vs, tables, scale, (None, keep, dropout_p), 0, 0, length)
+        outs.append(out[0].transpose(0, 1))  # [n, H, dv]
+        lses.append(lse[0].transpose(0, 1))  # [n, H]
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
+
+
+def _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length):
+    """Dense layout: returns (O [B, H, Nq, dv], LSE [B, H, Nq]), both float64."""
+    aq, ak, bias = tables
+    key_padding_mask, keep_mask, dropout_p = masks
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a tensor [B, H, N, d], got {_shape(x)}")
+    batch, heads, nq, d = q.shape
+    nk = k.shape[2]
+    if tuple(k.shape) != (batch, heads, nk, d):
+        raise ValueError(f"k must be [B, H, Nk, d] = [{batch}, {heads}, Nk, {d}] like q, got {list(k.shape)}")
+    if tuple(v.shape[:3]) != (batch, heads, nk):
+        raise ValueError(f"v must be [B, H, Nk, dv] = [{batch}, {heads}, {nk}, dv], got {list(v.shape)}")
+
+    if length is None:
+        length = max(q_offset + nq, k_offset + nk, 1)
+    rows = relation_rows(spec, nq, nk, q_offset=q_offset, k_offset=k_offset, length=length).to(q.device)
+    num_rows = spec.map.num_rows(int(length))
+    tau = float(scale) if scale is not None else spec.scale_value(d)
+
+    f64 = torch.float64
+    q64, k64, v64 = q.to(f64), k.to(f64), v.to(f64)
+    scores = torch.einsum("bhid,bhjd->bhij", q64, k64)
+    shared = spec.heads_share_tables
+    if spec.has_query:
+        table = _table("aq", aq, shared, heads, num_rows, d).to(f64)
+        gathered = table[rows] if shared else table[:, rows]  # [Nq, Nk, d] or [H, Nq, Nk, d]
+        scores = scores + torch.einsum("bhid,ijd->bhij" if shared else "bhid,hijd->bhij", q64, gathered)
+    if spec.has_key:
+        table = _table("ak", ak, shared, heads, num_rows, d).to(f64)
+        gathered = table[rows] if shared else table[:, rows]
+        scores = scores + torch.einsum("bhjd,ijd->bhij" if shared else "bhjd,hijd->bhij", k64, gathered)
+    if spec.has_bias:
+        table = _table("bias", bias, shared, heads, num_rows, None).to(f64)
+        scores = scores + (table[rows] if shared else table[:, rows])  # [Nq, Nk] or [H, Nq, Nk]
+    scores = tau * scores
+
+    valid = torch.ones(batch, 1, nq, nk, dtype=torch.bool, device=q.device)
+    if spec.causal:
+        i = torch.arange(nq, device=q.device)[:, None] + q_offset
+        j = torch.arange(nk, device=q.device)[None, :] + k_offset
+        valid = valid & (i >= j)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, nk):
+            raise ValueError(f"key_padding_mask must be [B, Nk] = [{batch}, {nk}], got {_shape(key_padding_mask)}")
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool (True = real key), got {key_padding_mask.dtype}")
+        valid = valid & key_padding_mask.to(q.device)[:, None, None, :]
+
+    # safe softmax: rows without a valid key have max −inf, give P = 0, O = 0, LSE = −inf and zero gradients
+    masked = scores.masked_fill(~valid, float("-inf"))
+    row_max = masked.detach().amax(dim=-1, keepdim=True)
+    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    expo = torch.exp(masked - shift)  # exactly 0 where masked
+    total = expo.sum(dim=-1, keepdim=True)
+    has_key = total > 0
+    probs = expo / torch.where(has_key, total, torch.ones_like(total))
+    lse = torch.where(
+        has_key, shift + torch.log(torch.where(has_key, total, torch.ones_like(total))), float("-inf")
+    ).squeeze(-1)
+
+    if keep_mask is not None:
+        if not isinstance(keep_mask, torch.Tensor) or tuple(keep_mask.shape) != (batch, heads, nq, nk):
+            raise ValueError(f"keep_mask must be [B, H, Nq, Nk] = {[batch, heads, nq, nk]}, got {_shape(keep_mask)}")
+        if keep_mask.dtype != torch.bool:
+            raise ValueError(f"keep_mask must be bool (True = kept), got {keep_mask.dtype}")
+        probs = probs * keep_mask.to(q.device).to(f64) / (1.0 - float(dropout_p))
+
+    out = torch.einsum("bhij,bhjd->bhid", probs, v64)
+    return out, lse
+
+
+def _table(
+    name: str, table: torch.Tensor | None, shared: bool, heads: int, num_rows: int, d: int | None
+) -> torch.Tensor:
+    """Check a relation table's presence and shape: [H, R, d] / [H, R], or [R, d] / [R] when shared."""
+    expected = ([] if shared else [heads]) + [num_rows] + ([] if d is None else [d])
+    layout = ("" if shared else "H, ") + "R" + ("" if d is None else ", d")
+    if table is None:
+        raise ValueError(f"{name} is required by the spec's terms: expected [{layout}] = {expected}")
+    if not isinstance(table, torch.Tensor) or list(table.shape) != expected:
+        hint = " (heads_share_tables)" if shared else ""
+        raise ValueError(f"{name} must be [{layout}] = {expected}{hint}, got {_shape(table)}")
+    return table
+
+
+def _shape(x: object) -> str:
+    return str(list(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__

@@ -1,0 +1,54 @@
+"""Tuned tile configurations: lookup tables per compute capability, kernel family, dtype, head dim and
+sequence-length bucket (written by `relgen tune`, committed under relgen/tuning_tables/)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Upper ends of the sequence-length buckets; longer sequences use the last one.
+BUCKETS = (64, 128, 384, 512, 768, 1024, 2048, 4096, 8192)
+TABLES = Path(__file__).resolve().parent / "tuning_tables"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def bucket(seq_len: int) -> int:
+    return next((b for b in BUCKETS if seq_len <= b), BUCKETS[-1])
+
+
+@functools.lru_cache(maxsize=8)
+def _table(capability: str) -> dict[str, Any]:
+    path = TABLES / f"sm{capability}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def table_key(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    return f"{'+'.join(terms)}/{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
+
+
+@functools.lru_cache(maxsize=1)
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()
+
+
+def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
+    """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
+    if not torch.cuda.is_available():
+        return None
+    from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
+
+    major, minor = _capability()
+    entry = _table(f"{major}{minor}").get(table_key(terms, dtype, head_dim, seq_len))
+    if entry is None:
+        return None
+    return KernelConfig(
+        group=entry["group"],
+        forward=AttnTiles(**entry["forward"]),
+        backward=AttnTiles(**entry["backward"]),
+        project=ProjectTiles(**entry["project"]),
+        reduce=ReduceTiles(**entry["reduce"]),
+    )
