@@ -30,7 +30,7 @@ TORCH_TYPES = {
 }
 
 
-def record(spec_path: str, dtype: str, seq_len: int, config_group: int) -> list[dict]:
+def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from triton.runtime import interpreter
@@ -74,8 +74,6 @@ def record(spec_path: str, dtype: str, seq_len: int, config_group: int) -> list[
 
     interpreter.InterpretedFunction.run = run
     spec = relgen.load_spec(spec_path)
-    gpu_cfg = runtime.default_config.__wrapped__ if hasattr(runtime.default_config, "__wrapped__") else None
-    del gpu_cfg
     torch_dtype = getattr(torch, DTYPES[dtype])
     os.environ["TRITON_INTERPRET"] = "0"  # ask for the GPU tile configuration while still interpreting
     cfg = runtime.default_config(torch_dtype, 64, seq_len)
@@ -152,7 +150,7 @@ def main() -> int:
     if args.compile_from:
         with open(args.compile_from) as f:
             return 1 if compile_all(json.load(f), args.arch) else 0
-    launches = record(args.spec, args.dtype, args.seq_len, 128)
+    launches = record(args.spec, args.dtype, args.seq_len)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
