@@ -182,7 +182,9 @@ def _cdiv_nonneg(a, b):
 
 
 @triton.jit
-def _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _key_runs(
+    i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
+):
     """Key tiles of query tile [i0, i0+BM): [0, hi) saturated high, [hi, lo) band, [lo, valid) saturated low,
     [valid, end) masked (partial last tile, causal diagonal). Scalars only: no per-tile branch in the loop."""
     if CAUSAL:
@@ -193,11 +195,16 @@ def _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
         n_end = tl.cdiv(Nk, BLOCK_N)
     n_hi = tl.minimum(tl.maximum(i0 + DOFF - HIGH + 1, 0) // BLOCK_N, n_valid)
     n_lo = tl.minimum(tl.maximum(_cdiv_nonneg(i0 + BLOCK_M - 1 + DOFF - LOW, BLOCK_N), n_hi), n_valid)
+    if not REUSE:  # ablation "no_constant_range_reuse": every tile gathers per score
+        n_hi = n_valid * 0
+        n_lo = n_valid
     return n_hi, n_lo, n_valid, n_end
 
 
 @triton.jit
-def _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _query_runs(
+    j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
+):
     """Query tiles of key tile [j0, j0+BN): [start, valid) masked (causal diagonal), then [valid, lo) saturated
     low, [lo, hi) band, [hi, end) saturated high. A partial last query tile needs no mask: its missing rows
     carry LSE = +inf, so P = 0 there."""
@@ -210,6 +217,9 @@ def _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         m_valid = 0
     m_lo = tl.minimum(tl.maximum(tl.maximum(LOW + j0 - DOFF + 1, 0) // BLOCK_M, m_valid), n_end)
     m_hi = tl.minimum(tl.maximum(_cdiv_nonneg(HIGH + j0 + BLOCK_N - 1 - DOFF, BLOCK_M), m_lo), n_end)
+    if not REUSE:
+        m_lo = m_valid
+        m_hi = n_end
     return m_start, m_valid, m_lo, m_hi, n_end
 
 
@@ -478,6 +488,7 @@ def _attn_fwd_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -499,7 +510,7 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -837,6 +848,7 @@ def _attn_bwd_q_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -865,7 +877,7 @@ def _attn_bwd_q_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (
         bh,
         seed,
@@ -1150,6 +1162,7 @@ def _attn_bwd_kv_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
@@ -1180,7 +1193,7 @@ def _attn_bwd_kv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
-    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (
         bh,
         seed,
@@ -1583,6 +1596,7 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         DROPOUT=geo.dropout_p > 0,
         VARLEN=geo.varlen,
         PREC=geo.prec,
+        REUSE=geo.reuse,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1737,6 +1751,7 @@ def _backward(do, saved, geo, cfg):
         DROPOUT=geo.dropout_p > 0,
         VARLEN=geo.varlen,
         PREC=geo.prec,
+        REUSE=geo.reuse,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1854,6 +1869,7 @@ def attention(
     scale=None,
     recompute_projections=False,
     return_lse=False,
+    _ablation=None,
 ):
     """deberta_v3: softmax(τ(q·k + q·a^Q_φ + k·a^K_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
     call = _rt.prepare_call(
@@ -1872,6 +1888,7 @@ def attention(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         scale=scale,
+        ablation=_ablation,
     )
     o, lse2 = _Attention.apply(
         call.q,

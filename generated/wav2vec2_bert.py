@@ -95,7 +95,9 @@ def _cdiv_nonneg(a, b):
 
 
 @triton.jit
-def _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _key_runs(
+    i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
+):
     """Key tiles of query tile [i0, i0+BM): [0, hi) saturated high, [hi, lo) band, [lo, valid) saturated low,
     [valid, end) masked (partial last tile, causal diagonal). Scalars only: no per-tile branch in the loop."""
     if CAUSAL:
@@ -106,11 +108,16 @@ def _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
         n_end = tl.cdiv(Nk, BLOCK_N)
     n_hi = tl.minimum(tl.maximum(i0 + DOFF - HIGH + 1, 0) // BLOCK_N, n_valid)
     n_lo = tl.minimum(tl.maximum(_cdiv_nonneg(i0 + BLOCK_M - 1 + DOFF - LOW, BLOCK_N), n_hi), n_valid)
+    if not REUSE:  # ablation "no_constant_range_reuse": every tile gathers per score
+        n_hi = n_valid * 0
+        n_lo = n_valid
     return n_hi, n_lo, n_valid, n_end
 
 
 @triton.jit
-def _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def _query_runs(
+    j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
+):
     """Query tiles of key tile [j0, j0+BN): [start, valid) masked (causal diagonal), then [valid, lo) saturated
     low, [lo, hi) band, [hi, end) saturated high. A partial last query tile needs no mask: its missing rows
     carry LSE = +inf, so P = 0 there."""
@@ -123,6 +130,9 @@ def _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         m_valid = 0
     m_lo = tl.minimum(tl.maximum(tl.maximum(LOW + j0 - DOFF + 1, 0) // BLOCK_M, m_valid), n_end)
     m_hi = tl.minimum(tl.maximum(_cdiv_nonneg(HIGH + j0 + BLOCK_N - 1 - DOFF, BLOCK_M), m_lo), n_end)
+    if not REUSE:
+        m_lo = m_valid
+        m_hi = n_end
     return m_start, m_valid, m_lo, m_hi, n_end
 
 
@@ -385,6 +395,7 @@ def _attn_fwd_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -406,7 +417,7 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -744,6 +755,7 @@ def _attn_bwd_q_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -772,7 +784,7 @@ def _attn_bwd_q_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (
         bh,
         seed,
@@ -1043,6 +1055,7 @@ def _attn_bwd_kv_kernel(
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
@@ -1073,7 +1086,7 @@ def _attn_bwd_kv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
-    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL)
+    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (
         bh,
         seed,
@@ -1474,6 +1487,7 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         DROPOUT=geo.dropout_p > 0,
         VARLEN=geo.varlen,
         PREC=geo.prec,
+        REUSE=geo.reuse,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1628,6 +1642,7 @@ def _backward(do, saved, geo, cfg):
         DROPOUT=geo.dropout_p > 0,
         VARLEN=geo.varlen,
         PREC=geo.prec,
+        REUSE=geo.reuse,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1742,6 +1757,7 @@ def attention(
     scale=None,
     recompute_projections=False,
     return_lse=False,
+    _ablation=None,
 ):
     """wav2vec2_bert: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
     call = _rt.prepare_call(
@@ -1760,6 +1776,7 @@ def attention(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         scale=scale,
+        ablation=_ablation,
     )
     o, lse2 = _Attention.apply(
         call.q,

@@ -261,6 +261,8 @@ class Geometry:
     config: KernelConfig
     varlen: bool = False
     total: int = 0
+    reuse: bool = True  # constant-range reuse (off: ablation "no_constant_range_reuse")
+    full_windows: bool = False  # windows of all C columns (ablation "no_reachable_ranges")
     cu_seqlens: torch.Tensor | None = field(default=None, compare=False, repr=False)
     low: int = 0
     high: int = 0
@@ -281,8 +283,8 @@ class Geometry:
             high=high,
             c=c,
             rows=plan.rows_at(geo.length),
-            wq=min(c, geo.nk + g - 1),
-            wk=min(c, geo.nq + g - 1),
+            wq=c if geo.full_windows else min(c, geo.nk + g - 1),
+            wk=c if geo.full_windows else min(c, geo.nq + g - 1),
         )
 
     # derived scalars --------------------------------------------------------------------------------------
@@ -467,6 +469,7 @@ def prepare_call(
     dropout_p=0.0,
     dropout_seed=None,
     scale=None,
+    ablation=None,
 ) -> Call:
     """Validate a call against the plan; every problem is a ValueError naming the argument.
 
@@ -561,6 +564,8 @@ def prepare_call(
         seed=seed,
         config=select_config(plan, q.dtype, d, max(nq, nk)),
         varlen=packed is not None,
+        reuse=ablation != "no_constant_range_reuse",
+        full_windows=ablation == "no_reachable_ranges",
         total=packed.total if packed is not None else 0,
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
     )
@@ -646,6 +651,9 @@ def _spec_scale(text: str, head_dim: int) -> float:
 
 _DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
+#: The paper's Table 7 switches that `fn(..., ablation=name)` accepts (relgen bench --ablation).
+ABLATIONS = ("atomic_gradients", "no_reachable_ranges", "no_constant_range_reuse", "recompute_projections")
+
 
 def _device_constant(key: tuple, device: torch.device, dtype: torch.dtype, values) -> torch.Tensor:
     """A small index tensor built once per (key, device, dtype) and reused by every later call."""
@@ -711,7 +719,7 @@ class Mechanism:
             self._wider[n] = load_module(analyze(self.spec, n))
         return self._wider[n]
 
-    def __call__(self, q, k, v, aq=None, ak=None, bias=None, **options: Any):
+    def __call__(self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, **options: Any):
         window = 1
         cu = options.get("cu_seqlens")
         if isinstance(cu, torch.Tensor) and cu.numel() > 1:
@@ -719,7 +727,24 @@ class Mechanism:
         elif isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
             nq, nk = q.shape[-2], k.shape[-2]
             window = max(options.get("q_offset", 0) + nq, options.get("k_offset", 0) + nk)
-        return self.module_for(window).attention(q, k, v, aq, ak, bias, **options)
+        module = self.module_for(window)
+        if ablation is not None:
+            module, options = self._ablated(module, ablation, options)
+        return module.attention(q, k, v, aq, ak, bias, **options)
+
+    def _ablated(self, module: ModuleType, ablation: str, options: dict[str, Any]):
+        """One component of the method switched off (the paper's Table 7), for `relgen bench --ablation`."""
+        if ablation not in ABLATIONS:
+            raise ValueError(f"ablation: expected one of {ABLATIONS}, got {ablation!r}")
+        if ablation == "recompute_projections":
+            return module, {**options, "recompute_projections": True}
+        if ablation == "atomic_gradients":  # the fallback's per-pair atomic adds on a map that does not need them
+            key = -1
+            if key not in self._wider:
+                plan = analyze(self.spec, module.PLAN.valid_up_to) if module.PLAN.valid_up_to else self.plan
+                self._wider[key] = load_module(replace(plan, path="atomic"))
+            return self._wider[key], options
+        return module, {**options, "_ablation": ablation}
 
     def __repr__(self) -> str:
         return f"<relgen mechanism {self.plan.summary()}>"

@@ -87,7 +87,7 @@ def _pairs(spec, inputs: Inputs, check_grads: bool, options: dict) -> list[tuple
     fn = compile_mechanism(spec)
     keep_mask = options.pop("keep_mask", None)  # the reference's explicit dropout mask
     out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
-    ref_options = {k: v for k, v in options.items() if k not in ("recompute_projections", "dropout_seed")}
+    ref_options = {k: v for k, v in options.items() if k not in ("recompute_projections", "dropout_seed", "ablation")}
     if keep_mask is not None:
         ref_options["keep_mask"] = keep_mask
     ref = reference.attention(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, **ref_options)

@@ -143,3 +143,19 @@ def test_generated_module_is_up_to_date(name):
     assert built.exists(), f"generated/{name}.py is missing: run `relgen build specs/*.yaml`"
     expected = codegen.format_source(codegen.render(relgen.analyze(relgen.load_spec(spec_path(name)))))
     assert built.read_text() == expected, f"generated/{name}.py drifted from specs/ and templates/: rebuild it"
+
+
+@pytest.mark.parametrize("ablation", relgen.runtime.ABLATIONS)
+@pytest.mark.parametrize("name", ["deberta_v3", "t5"])
+def test_ablation_switches_stay_exact(name, ablation):
+    """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""
+    spec = relgen.load_spec(spec_path(name))
+    inputs = make_inputs(spec, b=1, h=2, nq=45, d=16, device=DEVICE, seed=2)
+    assert_all_close(compare(spec, inputs, ablation=ablation), f"{name} ablation={ablation}")
+
+
+def test_unknown_ablation_is_refused():
+    spec = relgen.load_spec(spec_path("t5"))
+    inputs = make_inputs(spec, b=1, h=2, nq=5, d=16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^ablation"):
+        relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_such_thing")
