@@ -39,7 +39,7 @@ def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: i
     """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
     if not torch.cuda.is_available():
         return None
-    from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
+    from relgen.config import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
     major, minor = _capability()
     entry = _table(f"{major}{minor}").get(table_key(terms, dtype, head_dim, seq_len))

@@ -1,0 +1,255 @@
+"""Argument checking of a call: every problem is a ValueError that names the argument and what was expected."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from relgen.config import select_config
+from relgen.expr import parse_expression
+from relgen.geometry import Geometry, PlanInfo
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+LN2 = 0.6931471805599453
+
+
+# ------------------------------------------------------------------------------------------------------------
+# argument checking
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    aq: torch.Tensor | None
+    ak: torch.Tensor | None
+    bias: torch.Tensor | None
+    kpm: torch.Tensor | None
+    geo: Geometry
+
+    def finish(self, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool):
+        if not return_lse:
+            return o
+        g = self.geo
+        lse = lse2.view(g.heads, g.total).t() if g.varlen else lse2.view(g.batch, g.heads, g.nq)
+        return o, lse * LN2
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t: Any, rank: int, expected: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {expected}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected shape {expected} (rank {rank}), got {_shape(t)}")
+    return t
+
+
+def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def prepare_call(
+    plan: PlanInfo,
+    q,
+    k,
+    v,
+    aq,
+    ak,
+    bias,
+    *,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    q_offset=0,
+    k_offset=0,
+    dropout_p=0.0,
+    dropout_seed=None,
+    scale=None,
+    ablation=None,
+) -> Call:
+    """Validate a call against the plan; every problem is a ValueError naming the argument.
+
+    q: [B, H, Nq, d], k, v: [B, H, Nk, d]; or packed q, k, v: [total, H, d] with cu_seqlens (int32 [S+1]) and
+    max_seqlen. Tables: aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines
+    it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed)."""
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
+    packed = None
+    if cu_seqlens is not None or max_seqlen is not None:
+        packed = _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset)
+        b, h, d = packed.sequences, q.shape[1], q.shape[2]
+        nq = nk = packed.max_seqlen
+    else:
+        b, h, nq, d, nk = _check_qkv(q, k, v)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+    length = max(q_offset + nq, k_offset + nk)
+    rows = plan.rows_at(length)
+
+    tables = {"aq": (aq, "query", 3), "ak": (ak, "key", 3), "bias": (bias, "bias", 2)}
+    checked: dict[str, torch.Tensor | None] = {}
+    for name, (t, term, rank) in tables.items():
+        shared = plan.shared_tables
+        expected = (
+            (f"[{rows}, {d}]" if shared else f"[{h}, {rows}, {d}]")
+            if rank == 3
+            else (f"[{rows}]" if shared else f"[{h}, {rows}]")
+        )
+        if term not in plan.terms:
+            if t is not None:
+                raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
+            checked[name] = None
+            continue
+        if t is None:
+            raise ValueError(f"{name}: required by the spec's '{term}' term, expected shape {expected}")
+        t = _check_tensor(name, t, rank - (1 if shared else 0), expected)
+        want = ((rows, d) if shared else (h, rows, d)) if rank == 3 else ((rows,) if shared else (h, rows))
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: expected shape {expected}, got {_shape(t)}")
+        if rank == 3 and t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
+        if rank == 2 and not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+        checked[name] = t.contiguous()
+
+    kpm = None
+    if key_padding_mask is not None:
+        m = key_padding_mask
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, nk):
+            got = _shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(
+                f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), got {got}"
+            )
+        if m.device != q.device:
+            raise ValueError(f"key_padding_mask: must be on q's device ({q.device}), got {m.device}")
+        kpm = m.to(torch.int8).contiguous()
+
+    if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if dropout_seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    elif isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
+        seed = dropout_seed
+    else:
+        raise ValueError(f"dropout_seed: expected None or a non-negative int, got {dropout_seed!r}")
+    if scale is None:
+        tau = _spec_scale(plan.scale, d)
+    elif isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:
+        tau = float(scale)
+    else:
+        raise ValueError(f"scale: expected a positive number or None, got {scale!r}")
+
+    geo = Geometry.make(
+        plan,
+        batch=b,
+        heads=h,
+        nq=nq,
+        nk=nk,
+        head_dim=d,
+        length=length,
+        doff=q_offset - k_offset,
+        dtype=q.dtype,
+        scale=tau,
+        dropout_p=float(dropout_p),
+        seed=seed,
+        config=select_config(plan, q.dtype, d, max(nq, nk)),
+        varlen=packed is not None,
+        reuse=ablation != "no_constant_range_reuse",
+        full_windows=ablation == "no_reachable_ranges",
+        total=packed.total if packed is not None else 0,
+        cu_seqlens=packed.cu_seqlens if packed is not None else None,
+    )
+    return Call(
+        _lastdim_contiguous(q),
+        _lastdim_contiguous(k),
+        _lastdim_contiguous(v),
+        checked["aq"],
+        checked["ak"],
+        checked["bias"],
+        kpm,
+        geo,
+    )
+
+
+def _check_q(q, rank: int, expected: str) -> torch.Tensor:
+    q = _check_tensor("q", q, rank, expected)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    return q
+
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+    q = _check_q(q, 4, "[B, H, Nq, d]")
+    b, h, nq, d = q.shape
+    k = _check_tensor("k", k, 4, f"[{b}, {h}, Nk, {d}]")
+    v = _check_tensor("v", v, 4, f"[{b}, {h}, Nk, {d}]")
+    nk = k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
+            raise ValueError(f"{name}: expected shape [{b}, {h}, Nk, {d}] to match q {_shape(q)}, got {_shape(t)}")
+    if v.shape[2] != nk:
+        raise ValueError(f"v: expected shape {_shape(k)} like k, got {_shape(v)}")
+    if nq < 1 or nk < 1:
+        raise ValueError(f"q, k: sequence lengths must be ≥ 1, got Nq={nq}, Nk={nk}")
+    return b, h, nq, d, nk
+
+
+@dataclass(frozen=True)
+class Packed:
+    sequences: int
+    total: int
+    max_seqlen: int
+    cu_seqlens: torch.Tensor
+
+
+def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset) -> Packed:
+    q = _check_q(q, 3, "[total, H, d] (packed: cu_seqlens given)")
+    for name, t in (("k", k), ("v", v)):
+        t = _check_tensor(name, t, 3, f"{_shape(q)} like q (packed)")
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: expected shape {_shape(q)} like q (packed sequences), got {_shape(t)}")
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens: required with max_seqlen (packed sequences), expected int32 [S+1]")
+    cu = cu_seqlens
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        got = f"{_shape(cu)} {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] of sequence starts, got {got}")
+    if cu.device != q.device:
+        raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
+    starts = cu.tolist()
+    total = q.shape[0]
+    if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
+        raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
+    longest = max(b - a for a, b in itertools.pairwise(starts))
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
+        raise ValueError(f"max_seqlen: expected an int ≥ the longest sequence ({longest}), got {max_seqlen!r}")
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
+    if q_offset or k_offset:
+        raise ValueError("q_offset: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
+    return Packed(len(starts) - 1, total, max(max_seqlen, 1), cu.contiguous())
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_scale(text: str, head_dim: int) -> float:
+    return float(parse_expression(text, ("d",)).subs(sympy.Symbol("d", integer=True), head_dim))

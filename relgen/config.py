@@ -1,0 +1,142 @@
+"""Tile configurations: the interpreter's, the tuned tables' (relgen.tuning) and the resource heuristic's."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from relgen.geometry import PlanInfo
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tile configurations (issue: tuned lookup tables per GPU; here the defaults and the interpreter's)
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnTiles:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ProjectTiles:
+    block_t: int
+    block_w: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class ReduceTiles:
+    block_t: int
+    block_w: int
+    block_s: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    group: int
+    forward: AttnTiles
+    backward: AttnTiles
+    project: ProjectTiles
+    reduce: ReduceTiles
+
+    def check(self) -> None:
+        tiles = (
+            self.forward.block_m,
+            self.forward.block_n,
+            self.backward.block_m,
+            self.backward.block_n,
+            self.project.block_t,
+            self.reduce.block_t,
+        )
+        bad = [t for t in tiles if self.group % t]
+        if bad:
+            raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
+
+
+#: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups.
+INTERPRETER_CONFIG = KernelConfig(
+    group=32,
+    forward=AttnTiles(32, 16),
+    backward=AttnTiles(16, 32),
+    project=ProjectTiles(16, 32),
+    reduce=ReduceTiles(16, 32, 16),
+)
+
+_override: list[KernelConfig] = []
+
+
+class override_config:
+    """Force a kernel configuration (tests, tuning): `with override_config(cfg): fn(...)`."""
+
+    def __init__(self, config: KernelConfig):
+        config.check()
+        self.config = config
+
+    def __enter__(self) -> KernelConfig:
+        _override.append(self.config)
+        return self.config
+
+    def __exit__(self, *exc: object) -> None:
+        _override.pop()
+
+
+def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+    """Resource heuristic for CUDA GPUs when no tuned entry exists."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    big_d = head_dim > 64
+    fp32 = dtype == torch.float32
+    fwd = AttnTiles(
+        128 if not fp32 else 64,
+        64 if not big_d else 32,
+        num_warps=8 if not fp32 else 4,
+        num_stages=3 if not big_d else 2,
+    )
+    bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=4 if not big_d else 8, num_stages=2)
+    return KernelConfig(
+        group=128,
+        forward=fwd,
+        backward=bwd,
+        project=ProjectTiles(128, 64, num_warps=4, num_stages=3),
+        reduce=ReduceTiles(64, 64, 64 if not big_d else 32, num_warps=4, num_stages=2),
+    )
+
+
+def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+    """An override (tests, tuning), else the tuned table entry for this GPU, else the resource heuristic."""
+    if _override:
+        return _override[-1]
+    from relgen import tuning  # lookup tables (relgen tune writes them)
+
+    return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
+
+
+def column_splits(token_programs: int, column_blocks: int, device: torch.device) -> int:
+    """Into how many runs of columns the projection splits each window: one per token block when that alone
+    fills the GPU (each program then streams its whole window), more when there are few token blocks."""
+    if device.type != "cuda":
+        return min(column_blocks, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(column_blocks, math.ceil(4 * sms / max(token_programs, 1))))
+
+
+def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
+    """How many fp32 partials the table reductions write: enough programs to fill the GPU, no more."""
+    if device.type != "cuda":
+        return min(items, 2)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(items, math.ceil(2 * sms / max(column_programs, 1))))

@@ -1,0 +1,275 @@
+"""What a generated module knows about its plan (PlanInfo), and the geometry of one call: sizes, saturation
+bounds, windows, expanded tables and the backward pass's gradient buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from relgen.config import KernelConfig
+
+LOG2E = 1.4426950408889634
+
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what a generated module knows about its plan
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanInfo:
+    name: str
+    terms: tuple[str, ...]
+    causal: bool
+    shared_tables: bool
+    scale: str
+    length_dependent: bool
+    rows: int
+    low: int
+    high: int
+    copy_map: Any  # tuple β(s), or "identity" / "reversed" for identity maps
+    fold: Any  # ((first, count) per row) or None
+    path: str
+    valid_up_to: int | None
+
+    def rows_at(self, length: int) -> int:
+        return 2 * length - 1 if self.length_dependent else self.rows
+
+    def bounds_at(self, length: int) -> tuple[int, int]:
+        return (-(length - 1), length - 1) if self.length_dependent else (self.low, self.high)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# geometry of one call
+# ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reduction:
+    """How a reduction reads its dZ̃: C columns in windows of W (offset path), or R rows whole (atomic path)."""
+
+    columns: int
+    width: int
+    stride: int
+    doff: int
+    low: int
+    fp32: bool
+    prec: str
+
+
+@dataclass(frozen=True)
+class Expanded:
+    aq: torch.Tensor | None  # Ã^Q = E·A^Q
+    ak: torch.Tensor | None
+    bias: torch.Tensor | None  # b̃ = E·b, fp32
+    aq_reduce: torch.Tensor | None  # what the reductions multiply dZ by (Ã, or A on the atomic path)
+    ak_reduce: torch.Tensor | None
+
+
+class GradientBuffer:
+    """One dZ̃ buffer shared by both backward passes (the query pass is reduced before the key pass starts)."""
+
+    def __init__(self, geo: Geometry, device: torch.device):
+        self.geo = geo
+        atomic = geo.path == "atomic"
+        self.dtype = torch.float32 if atomic else geo.dtype
+        wq, wk = (geo.rows, geo.rows) if atomic else (geo.row_stride(geo.wq), geo.row_stride(geo.wk))
+        self.widths = (wq, wk)
+        size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
+        self.storage = torch.empty(size, device=device, dtype=self.dtype)
+
+    def width(self, query_side: bool) -> int:
+        return self.widths[0 if query_side else 1]
+
+    def _view(self, rows: int, width: int) -> torch.Tensor:
+        view = self.storage[: rows * width].view(rows, width)
+        return view.zero_()  # columns no key (query) reaches must read as zero in the reductions
+
+    def query_view(self) -> torch.Tensor:
+        return self._view(self.geo.token_rows(True), self.widths[0])
+
+    def key_view(self) -> torch.Tensor:
+        return self._view(self.geo.token_rows(False), self.widths[1])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here.
+
+    Packed sequences (`varlen`): `batch` counts sequences, `nq` = `nk` = max_seqlen, `total` tokens in all, and
+    each kernel reads its sequence's start and length from `cu_seqlens`."""
+
+    plan: PlanInfo
+    batch: int
+    heads: int
+    nq: int
+    nk: int
+    head_dim: int
+    length: int
+    doff: int
+    dtype: torch.dtype
+    scale: float
+    dropout_p: float
+    seed: int
+    config: KernelConfig
+    varlen: bool = False
+    total: int = 0
+    reuse: bool = True  # constant-range reuse (off: ablation "no_constant_range_reuse")
+    full_windows: bool = False  # windows of all C columns (ablation "no_reachable_ranges")
+    cu_seqlens: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    low: int = 0
+    high: int = 0
+    c: int = 0
+    rows: int = 0
+    wq: int = 0
+    wk: int = 0
+
+    @classmethod
+    def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
+        geo = cls(plan=plan, **kw)
+        low, high = plan.bounds_at(geo.length)
+        c = high - low + 1
+        g = geo.config.group
+        return replace(
+            geo,
+            low=low,
+            high=high,
+            c=c,
+            rows=plan.rows_at(geo.length),
+            wq=c if geo.full_windows else min(c, geo.nk + g - 1),
+            wk=c if geo.full_windows else min(c, geo.nq + g - 1),
+        )
+
+    # derived scalars --------------------------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        return self.config.group
+
+    @property
+    def path(self) -> str:
+        return self.plan.path
+
+    @property
+    def shared_tables(self) -> bool:
+        return self.plan.shared_tables
+
+    @property
+    def qk_scale(self) -> float:
+        return self.scale * LOG2E  # exp2 in the kernels
+
+    @staticmethod
+    def row_stride(width: int) -> int:
+        """Row stride of the per-token buffers: the window width rounded up to 16 elements (32-byte rows)."""
+        return -(-width // 16) * 16
+
+    def token_rows(self, query_side: bool) -> int:
+        """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""
+        if self.varlen:
+            return self.heads * self.total
+        return self.batch * self.heads * (self.nq if query_side else self.nk)
+
+    def cu_seqlens_or(self, dummy: torch.Tensor) -> torch.Tensor:
+        return self.cu_seqlens if self.cu_seqlens is not None else dummy
+
+    @property
+    def z_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == torch.float32 else torch.float16
+
+    @property
+    def clamp_fp16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    @property
+    def prec(self) -> str:
+        return "ieee"  # fp32 inputs stay exact (no tf32); ignored for fp16/bf16 operands
+
+    @property
+    def copy_beta(self) -> list[int] | None:
+        """β(s) for s ∈ [0, C), or None when β is the identity."""
+        beta = self.plan.copy_map
+        if beta == "identity":
+            return None
+        if beta == "reversed":
+            return list(range(self.c - 1, -1, -1))
+        if list(beta) == list(range(self.c)) and self.rows == self.c:
+            return None
+        return list(beta)
+
+    @property
+    def fold(self) -> Any:
+        if self.plan.path == "atomic":
+            return None
+        if self.plan.copy_map == "reversed":
+            return tuple((self.c - 1 - r, 1) for r in range(self.rows))
+        return self.plan.fold
+
+    def table_head_stride(self, table: torch.Tensor | None) -> int:
+        if table is None or self.shared_tables:
+            return 0
+        return table.stride(0)
+
+    def reduction(self, query_side: bool) -> Reduction:
+        if self.path == "atomic":  # W = C = R: every window starts at row 0
+            r = self.rows
+            return Reduction(columns=r, width=r, stride=r, doff=self.doff, low=self.low, fp32=True, prec="ieee")
+        width = self.wq if query_side else self.wk
+        fp32 = self.dtype == torch.float32
+        return Reduction(
+            columns=self.c,
+            width=width,
+            stride=self.row_stride(width),
+            doff=self.doff,
+            low=self.low,
+            fp32=fp32,
+            prec=self.prec,
+        )
+
+    # device tensors ---------------------------------------------------------------------------------------
+    def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """β on the device; kept across calls (building it anew would copy from the host every call)."""
+        return _device_constant(
+            ("beta", self.plan.copy_map, self.c, self.rows),
+            device,
+            dtype,
+            lambda: self.copy_beta or list(range(self.c)),
+        )
+
+    def fold_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first column, count) of each row's run of copies, on the device."""
+        key = ("fold", self.plan.fold, self.plan.copy_map, self.c, self.rows)
+        first = _device_constant((*key, "first"), device, torch.int32, lambda: [f for f, _ in self.fold])
+        count = _device_constant((*key, "count"), device, torch.int32, lambda: [n for _, n in self.fold])
+        return first, count
+
+    def expand(self, aq, ak, bias) -> Expanded:
+        """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
+        beta = self.copy_beta
+        some = next(t for t in (aq, ak, bias) if t is not None)
+        index = None if beta is None else self.copy_map_tensor(some.device, torch.long)
+
+        def copy(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return (t if index is None else t.index_select(dim, index)).contiguous()
+
+        aq_x, ak_x = copy(aq, -2), copy(ak, -2)
+        b_x = copy(bias, -1)
+        atomic = self.path == "atomic"
+        return Expanded(
+            aq=aq_x,
+            ak=ak_x,
+            bias=b_x.float() if b_x is not None else None,
+            aq_reduce=aq.contiguous() if atomic and aq is not None else aq_x,
+            ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
+        )
+
+    def gradient_buffer(self, device: torch.device) -> GradientBuffer:
+        return GradientBuffer(self, device)
+
+
+def _device_constant(key: tuple, device: torch.device, dtype: torch.dtype, values) -> torch.Tensor:
+    """A small index tensor built once per (key, device, dtype) and reused by every later call."""
+    full = (key, str(device), dtype)
+    if full not in _DEVICE_CONSTANTS:
+        _DEVICE_CONSTANTS[full] = torch.tensor(values(), dtype=dtype, device=device).contiguous()
+    return _DEVICE_CONSTANTS[full]
