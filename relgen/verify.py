@@ -33,6 +33,7 @@ __all__ = [
     "check_spec",
     "cli_check",
     "compare",
+    "gradient_runs",
     "make_inputs",
 ]
 
@@ -122,6 +123,19 @@ def compare(spec, inputs: Inputs, dtype=None, check_grads=True, **options) -> li
 def assert_all_close(results, context=""):
     failed = [f"{name}: {msg}" for name, ok, msg in results if not ok]
     assert not failed, f"{context}\n" + "\n".join(failed)
+
+
+def gradient_runs(spec, inputs: Inputs, runs: int = 2, **options) -> list[tuple[torch.Tensor, ...]]:
+    """The gradients of every input from `runs` identical forward + backward passes (to compare bitwise)."""
+    import relgen
+
+    fn = relgen.compile_mechanism(spec)
+    leaves = list(inputs.leaves.values())
+    grads = []
+    for _ in range(runs):
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    return grads
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from kernel_cases import SPECS, assert_all_close, compare, make_inputs
 import relgen
 from relgen import reference
 from relgen.testing import check_close, dropout_keep_mask
+from relgen.verify import gradient_runs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,14 +147,9 @@ def test_atomic_fallback_on_gpu():
 def test_backward_is_bitwise_deterministic(name):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=2, h=4, nq=2048, d=64, dtype=torch.float16, device="cuda")
-    fn = relgen.compile_mechanism(spec)
-    leaves = list(inputs.leaves.values())
-    grads = []
-    for _ in range(3):
-        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
-        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
-    for other in grads[1:]:
-        for a, b in zip(grads[0], other, strict=True):
+    first, *others = gradient_runs(spec, inputs, runs=3)
+    for other in others:
+        for a, b in zip(first, other, strict=True):
             assert torch.equal(a, b)
 
 

@@ -12,6 +12,7 @@ from kernel_cases import SPECS, assert_all_close, compare, make_inputs
 
 import relgen
 from relgen import codegen
+from relgen.verify import gradient_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,13 +111,8 @@ def test_atomic_fallback_plan_and_result():
 def test_offset_path_backward_is_bitwise_deterministic(name):
     spec = relgen.load_spec(spec_path(name))
     inputs = make_inputs(spec, b=2, h=2, nq=70, d=16, device=DEVICE, seed=5)
-    fn = relgen.compile_mechanism(spec)
-    leaves = list(inputs.leaves.values())
-    runs = []
-    for _ in range(2):
-        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
-        runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
-    for a, b in zip(*runs, strict=True):
+    first, second = gradient_runs(spec, inputs, runs=2)
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
 
 
