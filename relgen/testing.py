@@ -78,14 +78,16 @@ def tolerance(dtype: torch.dtype | str) -> Tolerance:
 
 
 def check_close(
-    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | str, name: str = ""
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | str, name: str = "", device=None
 ) -> tuple[bool, str]:
     """(passed, message) for `actual` against `expected` under the tolerance of `dtype`; the message gives both
-    errors and, on failure, the worst element."""
+    errors and, on failure, the worst element. Evaluated in float64 on `device` (default: `actual`'s own, so a
+    GPU tensor is judged on the GPU without a copy to the host)."""
     tol = tolerance(dtype)
     label = f"{name}: " if name else ""
-    a = torch.as_tensor(actual).detach().to(device="cpu", dtype=torch.float64)
-    e = torch.as_tensor(expected).detach().to(device="cpu", dtype=torch.float64)
+    a = torch.as_tensor(actual).detach()
+    a = a.to(device=device if device is not None else a.device, dtype=torch.float64)
+    e = torch.as_tensor(expected).detach().to(device=a.device, dtype=torch.float64)
     if a.shape != e.shape:
         return False, f"{label}shape mismatch: actual {list(a.shape)} vs expected {list(e.shape)}"
     if a.numel() == 0:
