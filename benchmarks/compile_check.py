@@ -44,7 +44,7 @@ def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
         params = list(inspect.signature(fn).parameters.values())
-        signature, constexprs = {}, {}
+        signature, constexprs, aligned = {}, {}, []
         values = dict(zip([p.name for p in params], args, strict=False))
         values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
         for p in params:
@@ -54,10 +54,14 @@ def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
                 constexprs[p.name] = value
             elif isinstance(value, torch.Tensor):
                 signature[p.name] = "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
+                if value.data_ptr() % 16 == 0:
+                    aligned.append(p.name)
             elif isinstance(value, bool):
                 signature[p.name] = "i1"
             elif isinstance(value, int):
                 signature[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+                if value % 16 == 0:  # Triton's launcher specializes such integers on divisibility by 16
+                    aligned.append(p.name)
             else:
                 signature[p.name] = "fp32"
         launches.append(
@@ -66,6 +70,7 @@ def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
                 "kernel": fn.__name__,
                 "signature": signature,
                 "constexprs": constexprs,
+                "aligned": aligned,
                 "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 2),
             }
@@ -101,7 +106,16 @@ def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
     return unique
 
 
-def compile_all(launches: list[dict], arch: int) -> int:
+def memory_ops(ptx: str) -> str:
+    """Global loads / stores by vector width and element size: scalar 2-byte accesses are what to look for."""
+    import collections
+    import re
+
+    counts = collections.Counter(m.group(1) for m in re.finditer(r"\b((?:ld|st)\.global(?:\.\w+)*)\s", ptx))
+    return " ".join(f"{op.replace('.global', '')}:{n}" for op, n in sorted(counts.items()))
+
+
+def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
     import importlib.util
 
     import triton
@@ -119,7 +133,14 @@ def compile_all(launches: list[dict], arch: int) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
-        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"])
+        # the divisibility hints Triton's launcher would give (parameters marked do_not_specialize get none)
+        names = [p.name for p in fn.params]
+        attrs = {
+            (names.index(name),): [["tt.divisibility", 16]]
+            for name in launch["aligned"]
+            if not fn.params[names.index(name)].do_not_specialize
+        }
+        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
         opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
@@ -129,6 +150,11 @@ def compile_all(launches: list[dict], arch: int) -> int:
                 f"ok   {launch['kernel']:28s} warps={opts['num_warps']} stages={opts['num_stages']} "
                 f"shared={md.shared:6d}B regs={n_regs} spills={getattr(compiled, 'n_spills', None)}"
             )
+            if show_memory_ops:
+                print(f"     {memory_ops(compiled.asm['ptx'])}")
+            if os.environ.get("RELGEN_DUMP_IR"):  # where to write each kernel's TTGIR (layouts of loads/stores)
+                with open(os.path.join(os.environ["RELGEN_DUMP_IR"], f"{launch['kernel']}.ttgir"), "w") as out:
+                    out.write(compiled.asm["ttgir"])
         except Exception as err:  # report every kernel, not just the first failure
             failures += 1
             cause, chain = err, []
@@ -145,17 +171,21 @@ def main() -> int:
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--seq-len", type=int, default=300)
+    parser.add_argument("--memory-ops", action="store_true", help="count global loads/stores by width in the PTX")
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
         with open(args.compile_from) as f:
-            return 1 if compile_all(json.load(f), args.arch) else 0
+            return 1 if compile_all(json.load(f), args.arch, args.memory_ops) else 0
     launches = record(args.spec, args.dtype, args.seq_len)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, __file__, args.spec, "--arch", str(args.arch), "--compile-from", f.name], env=env, check=False
+        [sys.executable, __file__, args.spec, "--arch", str(args.arch), "--compile-from", f.name]
+        + (["--memory-ops"] if args.memory_ops else []),
+        env=env,
+        check=False,
     )
     return done.returncode
 

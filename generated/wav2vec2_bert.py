@@ -140,11 +140,36 @@ def _query_runs(
 # one score tile S·log2(e) for queries offs_m and keys offs_n, relation terms read according to MODE
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _key_tile(tile, BLOCK_N: tl.constexpr):
+    """A key tile's keys in descending order, j_hi − u for u = 0…BN−1: along u the offset δ = i + DOFF − j then
+    grows by one, so a query's band entries form one contiguous run of its Z̃^Q (and b̃) row, which the
+    compiler can coalesce, and a key's form a run of its Z̃^K row along the queries."""
+    j_hi = tile * BLOCK_N + BLOCK_N - 1
+    return j_hi - tl.arange(0, BLOCK_N), j_hi
+
+
+@triton.jit
+def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr):
+    """δ of every pair of a band tile, and u (the position along the tile's descending keys)."""
+    u = tl.arange(0, BLOCK_N)
+    return (offs_m + DOFF - j_hi)[:, None] + u[None, :], u
+
+
+@triton.jit
+def _window_ends(rows, start, C, W, ok):
+    """Each row's entries at the two saturated columns, C − 1 and 0 (zero where its window does not reach one)."""
+    hi = tl.load(rows + (C - 1 - start), mask=ok & (C - 1 - start < W), other=0.0).to(tl.float32)
+    lo = tl.load(rows - start, mask=ok & (start == 0), other=0.0).to(tl.float32)
+    return hi, lo
+
+
+@triton.jit
 def _score_tile(
     q,
     k,
     offs_m,
     offs_n,
+    j_hi,
     zq_bh,
     zk_bh,
     bias_h,
@@ -157,9 +182,12 @@ def _score_tile(
     LOW,
     HIGH,
     C,
+    WQ,
+    WK,
     ZSQ,
     ZSK,
     qk_scale,
+    BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -170,11 +198,19 @@ def _score_tile(
     row_ok = offs_m < Nq
     col_ok = offs_n < Nk
     if MODE == BAND:
-        col = _column(offs_m[:, None] + DOFF - offs_n[None, :], LOW, HIGH)
+        delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N)
         pair_ok = row_ok[:, None] & col_ok[None, :]
+        # pairs beyond the saturation bounds read the end columns instead (loaded per row / key, below)
+        above = delta > HIGH
+        below = delta < LOW
+        pair_ok = pair_ok & (delta >= LOW) & (delta <= HIGH)
     # q_i·ã^Q_s (+ b̃_s when folded): the query's window starts at column s0
     if MODE == BAND:
-        qk += tl.load(zq_bh + offs_m[:, None] * ZSQ + (col - s0), mask=pair_ok, other=0.0).to(tl.float32)
+        run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
+        zq = tl.load(run[:, None] + u[None, :], mask=pair_ok, other=0.0).to(tl.float32)
+        zq_hi, zq_lo = _window_ends(zq_bh + offs_m * ZSQ, s0, C, WQ, row_ok)
+        zq = tl.where(above, zq_hi[:, None], tl.where(below, zq_lo[:, None], zq))
+        qk += zq
     else:
         zq_col = C - 1 - s0 if MODE == SAT_HIGH else -s0
         qk += tl.load(zq_bh + offs_m * ZSQ + zq_col, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -238,17 +274,21 @@ def _project_kernel(
     X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
     x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None])
     z_rows = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS
-    col_end = tl.minimum((pid_w + 1) * cols_per_program, W)
+    # stores run up to the padded row stride ZS (a multiple of 16, like cols_per_program), so their mask is
+    # constant over 16 columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
+    col_end = tl.minimum((pid_w + 1) * cols_per_program, ZS)
     for w0 in range(pid_w * cols_per_program, col_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
-        w_ok = offs_w < col_end
-        table = tl.load(TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None])
+        w_ok = offs_w < W
+        table = tl.load(
+            TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0
+        )
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(BIAS + h * sb_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
         if CLAMP_FP16:
             z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
-        tl.store(z_rows + offs_w[None, :], z.to(Z.dtype.element_ty), mask=t_ok[:, None] & w_ok[None, :])
+        tl.store(z_rows + offs_w[None, :], z.to(Z.dtype.element_ty), mask=t_ok[:, None] & (offs_w < col_end)[None, :])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -301,7 +341,7 @@ def _fwd_range(
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(lo, hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n, j_hi = _key_tile(tile, BLOCK_N)
         kv_ok = offs_n[:, None] < Nk
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
@@ -311,6 +351,7 @@ def _fwd_range(
             k,
             offs_m,
             offs_n,
+            j_hi,
             zq_bh,
             ZK_b,
             bias_h,
@@ -323,9 +364,12 @@ def _fwd_range(
             LOW,
             HIGH,
             C,
+            WQ,
+            WK,
             ZSQ,
             ZSK,
             qk_scale,
+            BLOCK_N,
             MODE,
             MASKED,
             CAUSAL,
@@ -644,7 +688,7 @@ def _bwd_q_range(
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(lo, hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n, j_hi = _key_tile(tile, BLOCK_N)
         kv_ok = offs_n[:, None] < Nk
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
@@ -654,6 +698,7 @@ def _bwd_q_range(
             k,
             offs_m,
             offs_n,
+            j_hi,
             zq_bh,
             ZK_b,
             bias_h,
@@ -666,9 +711,12 @@ def _bwd_q_range(
             LOW,
             HIGH,
             C,
+            WQ,
+            WK,
             ZSQ,
             ZSK,
             qk_scale,
+            BLOCK_N,
             MODE,
             MASKED,
             CAUSAL,
@@ -685,12 +733,12 @@ def _bwd_q_range(
         elif MODE == SAT_LOW:
             lo_sum += tl.sum(tds, 1)
         else:
-            delta = offs_m[:, None] + DOFF - offs_n[None, :]
-            col = _column(delta, LOW, HIGH)
+            delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N)
             pair_ok = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
             # interior columns have exactly one writer: for a fixed query, key ↦ offset is one-to-one
             interior = (delta > LOW) & (delta < HIGH)
-            tl.store(dzq_rows[:, None] + (col - s0), tds.to(dzq_rows.dtype.element_ty), mask=pair_ok & interior)
+            run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
+            tl.store(run[:, None] + u[None, :], tds.to(dzq_rows.dtype.element_ty), mask=pair_ok & interior)
             lo_sum += tl.sum(tl.where(delta <= LOW, tds, 0.0), 1)
             hi_sum += tl.sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), 1)
     return dq, hi_sum, lo_sum
@@ -911,6 +959,7 @@ def _bwd_kv_range(
     sq_n,
     sdo_n,
     offs_n,
+    j_hi,
     ZQ_b,
     zk_bh,
     bias_h,
@@ -940,6 +989,7 @@ def _bwd_kv_range(
     tau,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
@@ -963,6 +1013,7 @@ def _bwd_kv_range(
             k,
             offs_m,
             offs_n,
+            j_hi,
             ZQ_b,
             zk_bh,
             bias_h,
@@ -975,9 +1026,12 @@ def _bwd_kv_range(
             LOW,
             HIGH,
             C,
+            WQ,
+            WK,
             ZSQ,
             ZSK,
             qk_scale,
+            BLOCK_N,
             MODE,
             MASKED,
             CAUSAL,
@@ -1063,7 +1117,7 @@ def _attn_bwd_kv_kernel(
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     tok0 = tok0.to(tl.int64)
     j0 = pid_n * BLOCK_N
-    offs_n = j0 + tl.arange(0, BLOCK_N)
+    offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < Nk
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
@@ -1117,6 +1171,7 @@ def _attn_bwd_kv_kernel(
         sq_n,
         sdo_n,
         offs_n,
+        j_hi,
         ZQ_b,
         zk_bh,
         bias_h,
@@ -1136,6 +1191,7 @@ def _attn_bwd_kv_kernel(
         *args,
         HEAD_DIM,
         BLOCK_M,
+        BLOCK_N,
         GROUP,
         BAND,
         True,
@@ -1155,6 +1211,7 @@ def _attn_bwd_kv_kernel(
         *args,
         HEAD_DIM,
         BLOCK_M,
+        BLOCK_N,
         GROUP,
         SAT_LOW,
         False,
@@ -1174,6 +1231,7 @@ def _attn_bwd_kv_kernel(
         *args,
         HEAD_DIM,
         BLOCK_M,
+        BLOCK_N,
         GROUP,
         BAND,
         False,
@@ -1193,6 +1251,7 @@ def _attn_bwd_kv_kernel(
         *args,
         HEAD_DIM,
         BLOCK_M,
+        BLOCK_N,
         GROUP,
         SAT_HIGH,
         False,
@@ -1259,10 +1318,11 @@ def _reduce_tokens_kernel(
     x_rows = b * sdx_b + h * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
     acc = tl.load(DX_PART + x_rows, mask=t_ok[:, None], other=0.0)
     dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
-    for w0 in range(0, W, BLOCK_W):
+    # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
+    for w0 in range(0, WDZ, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
-        dz = tl.load(dz_rows[:, None] + offs_w[None, :], mask=t_ok[:, None] & w_ok[None, :], other=0.0)
+        dz = tl.load(dz_rows[:, None] + offs_w[None, :], mask=t_ok[:, None] & (offs_w < WDZ)[None, :], other=0.0)
         a = tl.load(
             TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0
         )

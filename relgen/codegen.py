@@ -27,6 +27,7 @@ class GenerationFlags:
     bias_mode: str  # "none", "folded_query", "folded_key" or "vector" (bias-only: b̃ read per score)
     dz_query: bool  # the query-parallel pass writes dZ̃^Q
     dz_key: bool  # the key-parallel pass writes dZ̃^K
+    saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
     bias_from: str | None  # which dZ̃ yields db
     terms_literal: str
     copy_map_literal: str
@@ -52,6 +53,7 @@ class GenerationFlags:
             bias_mode=bias_mode,
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
+            saturates=not plan.length_dependent,
             bias_from=bias_from,
             terms_literal="(" + "".join(f'"{t}", ' for t in plan.terms).rstrip() + ")",
             copy_map_literal=_copy_map_literal(plan),

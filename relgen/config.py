@@ -100,10 +100,11 @@ def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelCon
         return INTERPRETER_CONFIG
     big_d = head_dim > 64
     fp32 = dtype == torch.float32
+    # 4 warps beat 8 on the H200 for every shipped spec at 8K (benchmarks/results/h200/NOTES.md, tile sweep)
     fwd = AttnTiles(
         128 if not fp32 else 64,
         64 if not big_d else 32,
-        num_warps=8 if not fp32 else 4,
+        num_warps=8 if big_d and not fp32 else 4,
         num_stages=3 if not big_d else 2,
     )
     bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=4 if not big_d else 8, num_stages=2)
