@@ -1,26 +1,54 @@
 #!/usr/bin/env bash
-# One H200 session: the GPU test suite, then the benchmark against the peers (relgen bench), in the order that
-# keeps the most important numbers if the session's time runs out. Usage (repo root, on the GPU machine):
-#   bash benchmarks/h200_session.sh OUT_DIR [TEST_SECONDS] [BENCH_SECONDS]
-# Writes OUT_DIR/gpu_tests.log, gpu_figures.jsonl (memory figures), gpu.txt and bench/attention.{json,md,png}.
+# The H200 sessions' commands, in phases that each fit one device call (repo root on the GPU machine, pydantic
+# on PYTHONPATH). Compilation is done in parallel processes first (their timings are thrown away), so the
+# measurements that follow run one at a time on warm caches.
+#
+#   bash benchmarks/h200_session.sh verify OUT [TUNE_LENGTHS]   GPU test suite, tuning tables, kernel profile
+#   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
+#                                                                .bench_state/attention.json when present)
+#
+# verify writes OUT/gpu_tests.log, gpu_figures.jsonl, tune.log, sm90.json (the tuning table, also left in
+# relgen/tuning_tables/), profile.json; bench writes OUT/bench/attention.{json,md}, plots and bench.log.
 set -u
-out=${1:?output folder}
-test_s=${2:-200}
-bench_s=${3:-270}
-mkdir -p "$out/bench"
+phase=${1:?phase: verify or bench}
+out=${2:?output folder}
+mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
+specs=(shaw txl deberta_v3 t5)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$out/gpu.txt"
+git log --oneline -1 >> "$out/gpu.txt" 2>/dev/null
 
-timeout "$test_s" python3 -m pytest -q -n 8 tests/test_gpu.py -p no:warnings -p no:cacheprovider -rfE \
-    > "$out/gpu_tests.log" 2>&1
-echo "tests exit $?" >> "$out/gpu_tests.log"
-
-# relgen and the uncompiled peers at two lengths first, then the torch.compile peers at 8K
-first=$((bench_s * 2 / 5))
-python3 -m relgen.bench --out "$out/bench" --seq-lens 512,8192 --systems relgen,sdpa_plain,sdpa,eager \
-    --process-per group --timeout 60 --budget-s "$first" > "$out/bench.log" 2>&1
-python3 -m relgen.bench --out "$out/bench" --seq-lens 8192 --systems flex_decomp,flex,compiled \
-    --flex-mode default --process-per group --timeout 60 --budget-s $((bench_s - first - 10)) --resume \
-    >> "$out/bench.log" 2>&1
-echo "bench exit $?" >> "$out/bench.log"
+if [ "$phase" = verify ]; then
+    lengths=${3:-"512 2048 8192"}
+    (timeout 330 python3 -m pytest -q -n 8 tests/test_gpu.py -p no:warnings -p no:cacheprovider -rfE \
+        > "$out/gpu_tests.log" 2>&1; echo "tests exit $?" >> "$out/gpu_tests.log") &
+    for s in "${specs[@]}"; do  # compile every tuning candidate and profiled kernel (timings discarded)
+        (timeout 240 python3 -m relgen tune "specs/$s.yaml" --seq-lens $lengths --out "/tmp/warm_$s.json" \
+            > "/tmp/warm_tune_$s.log" 2>&1
+         timeout 60 python3 benchmarks/profile_kernels.py --specs "$s" --seq-lens 1024,8192 \
+            > "/tmp/warm_profile_$s.log" 2>&1) &
+    done
+    wait
+    timeout 150 python3 -m relgen tune $(printf 'specs/%s.yaml ' "${specs[@]}") --seq-lens $lengths --budget-s 130 \
+        > "$out/tune.log" 2>&1
+    echo "tune exit $?" >> "$out/tune.log"
+    cp relgen/tuning_tables/sm90.json "$out/sm90.json" 2>/dev/null
+    timeout 80 python3 benchmarks/profile_kernels.py --seq-lens 1024,8192 --host-profile \
+        --json "$out/profile.json" > "$out/profile.log" 2>&1
+    tail -3 "$out/gpu_tests.log" "$out/tune.log"
+elif [ "$phase" = bench ]; then
+    budget=${3:?seconds}
+    lengths=${4:-512,2048,8192}
+    mkdir -p "$out/bench"
+    # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
+    [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$out/bench/attention.json"
+    timeout $((budget + 30)) python3 -m relgen.bench --out "$out/bench" --seq-lens "$lengths" \
+        --systems relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled --flex-mode default \
+        --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
+        > "$out/bench.log" 2>&1
+    echo "bench exit $?" >> "$out/bench.log"
+    tail -40 "$out/bench.log"
+else
+    echo "unknown phase $phase" >&2
+    exit 2
+fi

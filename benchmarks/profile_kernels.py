@@ -73,11 +73,38 @@ def host_ms(fn, qkv, tables, calls: int = 200) -> float:
     return (time.perf_counter() - t) / calls * 1000
 
 
+def host_profile(fn, qkv, tables, calls: int = 200) -> list[str]:
+    """The Python functions a forward call spends its host time in (cProfile, by own time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    with torch.no_grad():
+        fn(*qkv, **tables)
+        torch.cuda.synchronize()
+        profiler.enable()
+        for _ in range(calls):
+            fn(*qkv, **tables)
+        torch.cuda.synchronize()
+        profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):
+        rows.append(
+            (
+                tottime,
+                f"{tottime / calls * 1e6:8.1f} us own {cumtime / calls * 1e6:8.1f} us cum "
+                f"{ncalls // calls:3d}x {Path(path).name}:{line}({name})",
+            )
+        )
+    return [text for _, text in sorted(rows, reverse=True)[:25]]
+
+
 def bench(run) -> float:
     return triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
 
 
-def profile(name: str, n: int, sweep: bool) -> list[dict]:
+def profile(name: str, n: int, sweep: bool, host: bool = False) -> list[dict]:
     fn, (q, k, v), tables = inputs(name, n)
     leaves = [q, k, v, *tables.values()]
     out = fn(q, k, v, **tables)
@@ -116,6 +143,9 @@ def profile(name: str, n: int, sweep: bool) -> list[dict]:
     records.append(
         {"spec": name, "seq_len": 128, "what": "host_ms_per_fwd_call", "ms": host_ms(small_fn, small_qkv, small_tables)}
     )
+    if host:
+        top = host_profile(small_fn, small_qkv, small_tables)
+        records.append({"spec": name, "seq_len": 128, "what": "host_profile", "top": top})
     return records
 
 
@@ -124,13 +154,15 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="1024,8192")
     parser.add_argument("--specs", default="shaw,txl,deberta_v3,t5")
     parser.add_argument("--sweep", action="store_true", help="also time the forward / backward tile candidates")
+    parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of a small call")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for name in args.specs.split(","):
         for n in (int(x) for x in args.seq_lens.split(",")):
             try:
-                recs = profile(name, n, args.sweep and n == max(int(x) for x in args.seq_lens.split(",")))
+                longest = n == max(int(x) for x in args.seq_lens.split(","))
+                recs = profile(name, n, args.sweep and longest, args.host_profile and longest)
             except Exception as err:  # one broken kernel must not hide the others
                 recs = [{"spec": name, "seq_len": n, "error": f"{type(err).__name__}: {err}"[:400]}]
             for r in recs:

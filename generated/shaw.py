@@ -170,11 +170,33 @@ def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _window_ends(rows, start, C, W, ok):
-    """Each row's entries at the two saturated columns, C − 1 and 0 (zero where its window does not reach one)."""
-    hi = tl.load(rows + (C - 1 - start), mask=ok & (C - 1 - start < W), other=0.0).to(tl.float32)
-    lo = tl.load(rows - start, mask=ok & (start == 0), other=0.0).to(tl.float32)
+def _ends(E, offs, ok):
+    """Per-token entries at the two saturated columns, C − 1 and 0, from the compact end buffer [token, 2]
+    (0 where a token's window does not reach that column): one contiguous load per tile instead of one row each."""
+    hi = tl.load(E + offs * 2, mask=ok, other=0.0).to(tl.float32)
+    lo = tl.load(E + offs * 2 + 1, mask=ok, other=0.0).to(tl.float32)
     return hi, lo
+
+
+@triton.jit
+def _end_terms(row_end, col_end, b_end):
+    """The relation terms of a pair whose offset lies at or beyond one saturation bound: one column for all."""
+    return row_end[:, None]
+
+
+@triton.jit
+def _query_ends(E, offs_m, row_ok):
+    return _ends(E, offs_m, row_ok)
+
+
+@triton.jit
+def _key_ends(E, offs_n, col_ok):
+    return 0.0, 0.0  # no key term
+
+
+@triton.jit
+def _bias_ends(bias_h, C):
+    return 0.0, 0.0  # b̃ is folded into a projection (or absent)
 
 
 @triton.jit
@@ -190,14 +212,17 @@ def _score_tile(
     kpm_b,
     s0,
     t0,
+    row_hi,
+    row_lo,
+    col_hi,
+    col_lo,
+    b_hi,
+    b_lo,
     Nq,
     Nk,
     DOFF,
     LOW,
     HIGH,
-    C,
-    WQ,
-    WK,
     ZSQ,
     ZSK,
     qk_scale,
@@ -208,26 +233,27 @@ def _score_tile(
     HAS_KPM: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends)."""
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     row_ok = offs_m < Nq
     col_ok = offs_n < Nk
     if MODE == BAND:
+        # the relation terms are summed apart and added to the accumulator once: one layout conversion per tile
+        # (each gather is loaded in the layout of its contiguous direction)
         delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N)
         pair_ok = row_ok[:, None] & col_ok[None, :]
-        # pairs beyond the saturation bounds read the end columns instead (loaded per row / key, below)
-        above = delta > HIGH
+        above = delta > HIGH  # these pairs read the end columns instead
         below = delta < LOW
         pair_ok = pair_ok & (delta >= LOW) & (delta <= HIGH)
-    # q_i·ã^Q_s (+ b̃_s when folded): the query's window starts at column s0
-    if MODE == BAND:
+        # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0)
         run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-        zq = tl.load(run[:, None] + u[None, :], mask=pair_ok, other=0.0).to(tl.float32)
-        zq_hi, zq_lo = _window_ends(zq_bh + offs_m * ZSQ, s0, C, WQ, row_ok)
-        zq = tl.where(above, zq_hi[:, None], tl.where(below, zq_lo[:, None], zq))
-        qk += zq
+        rel = tl.load(run[:, None] + u[None, :], mask=pair_ok, other=0.0).to(tl.float32)
+        rel += tl.where(above, _end_terms(row_hi, col_hi, b_hi), tl.where(below, _end_terms(row_lo, col_lo, b_lo), 0.0))
+        qk += rel
+    elif MODE == SAT_HIGH:
+        qk += _end_terms(row_hi, col_hi, b_hi)
     else:
-        zq_col = C - 1 - s0 if MODE == SAT_HIGH else -s0
-        qk += tl.load(zq_bh + offs_m * ZSQ + zq_col, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        qk += _end_terms(row_lo, col_lo, b_lo)
     s = qk * qk_scale
     if MASKED:
         keep = col_ok[None, :]
@@ -249,6 +275,7 @@ def _project_kernel(
     TABLE,
     BIAS,
     Z,
+    ENDS,
     CU,
     sx_b,
     sx_h,
@@ -275,7 +302,8 @@ def _project_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out."""
+    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
+    The entries at the end columns C − 1 and 0 also go to the compact buffer ENDS [token, 2] (0 if unreached)."""
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     tok0, nq, nk, row_q, row_k = _sequence(pid_bh, H, CU, Nq, Nk, TOTAL, VARLEN)
@@ -291,6 +319,13 @@ def _project_kernel(
     # stores run up to the padded row stride ZS (a multiple of 16, like cols_per_program), so their mask is
     # constant over 16 columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     col_end = tl.minimum((pid_w + 1) * cols_per_program, ZS)
+    end_rows = ENDS + (row0.to(tl.int64) + offs_t) * 2
+    hi_col = C - 1 - start  # the end columns' places in this group's window
+    lo_col = -start
+    if pid_w == 0:  # an end column outside the window: its entry reads as 0
+        zero = tl.zeros([BLOCK_T], tl.float32).to(ENDS.dtype.element_ty)
+        tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
+        tl.store(end_rows + 1, zero, mask=t_ok & (lo_col < 0))
     for w0 in range(pid_w * cols_per_program, col_end, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
@@ -303,6 +338,16 @@ def _project_kernel(
         if CLAMP_FP16:
             z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
         tl.store(z_rows + offs_w[None, :], z.to(Z.dtype.element_ty), mask=t_ok[:, None] & (offs_w < col_end)[None, :])
+        if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
+            tl.store(
+                end_rows, tl.sum(tl.where(offs_w[None, :] == hi_col, z, 0.0), 1).to(ENDS.dtype.element_ty), mask=t_ok
+            )
+        if (lo_col >= w0) & (lo_col < w0 + BLOCK_W):
+            tl.store(
+                end_rows + 1,
+                tl.sum(tl.where(offs_w[None, :] == lo_col, z, 0.0), 1).to(ENDS.dtype.element_ty),
+                mask=t_ok,
+            )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -321,9 +366,14 @@ def _fwd_range(
     offs_m,
     zq_bh,
     ZK_b,
+    ZKE_b,
     bias_h,
     kpm_b,
     s0,
+    row_hi,
+    row_lo,
+    b_hi,
+    b_lo,
     lo,
     hi,
     bh,
@@ -360,6 +410,7 @@ def _fwd_range(
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
+        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
         s = _score_tile(
             q,
             k,
@@ -372,14 +423,17 @@ def _fwd_range(
             kpm_b,
             s0,
             t0,
+            row_hi,
+            row_lo,
+            col_hi,
+            col_lo,
+            b_hi,
+            b_lo,
             Nq,
             Nk,
             DOFF,
             LOW,
             HIGH,
-            C,
-            WQ,
-            WK,
             ZSQ,
             ZSK,
             qk_scale,
@@ -412,6 +466,8 @@ def _attn_fwd_kernel(
     LSE,
     ZQ,
     ZK,
+    ZQE,
+    ZKE,
     BIAS,
     KPM,
     CU,
@@ -467,31 +523,25 @@ def _attn_fwd_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq)
+    b_hi, b_lo = _bias_ends(bias_h, C)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
+    common = (q, K_bh, V_bh, sk_n, sv_n, offs_m, zq_bh, ZK_b, ZKE_b, bias_h, kpm_b, s0, row_hi, row_lo, b_hi, b_lo)
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
         m_i,
-        q,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        bias_h,
-        kpm_b,
-        s0,
+        *common,
         0,
         n_hi,
         *args,
@@ -506,48 +556,13 @@ def _attn_fwd_kernel(
         PREC,
     )
     acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        bias_h,
-        kpm_b,
-        s0,
-        n_hi,
-        n_lo,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
+        acc, l_i, m_i, *common, n_hi, n_lo, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
     )
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
         m_i,
-        q,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        bias_h,
-        kpm_b,
-        s0,
+        *common,
         n_lo,
         n_valid,
         *args,
@@ -565,17 +580,7 @@ def _attn_fwd_kernel(
         acc,
         l_i,
         m_i,
-        q,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        bias_h,
-        kpm_b,
-        s0,
+        *common,
         n_valid,
         n_end,
         *args,
@@ -665,11 +670,16 @@ def _bwd_q_range(
     offs_m,
     zq_bh,
     ZK_b,
+    ZKE_b,
     bias_h,
     kpm_b,
+    s0,
+    row_hi,
+    row_lo,
+    b_hi,
+    b_lo,
     dzq_rows,
     copy_map,
-    s0,
     lo,
     hi,
     bh,
@@ -707,6 +717,7 @@ def _bwd_q_range(
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
+        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
         s = _score_tile(
             q,
             k,
@@ -719,14 +730,17 @@ def _bwd_q_range(
             kpm_b,
             s0,
             t0,
+            row_hi,
+            row_lo,
+            col_hi,
+            col_lo,
+            b_hi,
+            b_lo,
             Nq,
             Nk,
             DOFF,
             LOW,
             HIGH,
-            C,
-            WQ,
-            WK,
             ZSQ,
             ZSK,
             qk_scale,
@@ -768,6 +782,8 @@ def _attn_bwd_q_kernel(
     DELTA,
     ZQ,
     ZK,
+    ZQE,
+    ZKE,
     BIAS,
     KPM,
     DQ,
@@ -837,11 +853,14 @@ def _attn_bwd_q_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
+    b_hi, b_lo = _bias_ends(bias_h, C)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
@@ -867,7 +886,29 @@ def _attn_bwd_q_kernel(
         qk_scale,
         tau,
     )
-    common = (q, do, lse2, Di, K_bh, V_bh, sk_n, sv_n, offs_m, zq_bh, ZK_b, bias_h, kpm_b, dzq_rows, COPY_MAP, s0)
+    common = (
+        q,
+        do,
+        lse2,
+        Di,
+        K_bh,
+        V_bh,
+        sk_n,
+        sv_n,
+        offs_m,
+        zq_bh,
+        ZK_b,
+        ZKE_b,
+        bias_h,
+        kpm_b,
+        s0,
+        row_hi,
+        row_lo,
+        b_hi,
+        b_lo,
+        dzq_rows,
+        COPY_MAP,
+    )
     dq, hi_sum, lo_sum = _bwd_q_range(
         dq,
         hi_sum,
@@ -975,12 +1016,17 @@ def _bwd_kv_range(
     offs_n,
     j_hi,
     ZQ_b,
+    ZQE_b,
     zk_bh,
     bias_h,
     kpm_b,
+    t0,
+    col_hi,
+    col_lo,
+    b_hi,
+    b_lo,
     dzk_rows,
     copy_map,
-    t0,
     lo,
     hi,
     bh,
@@ -1022,6 +1068,7 @@ def _bwd_kv_range(
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         Di = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
         s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, q_win_base, C, WQ)
+        row_hi, row_lo = _query_ends(ZQE_b, offs_m, row_ok)
         s = _score_tile(
             q,
             k,
@@ -1034,14 +1081,17 @@ def _bwd_kv_range(
             kpm_b,
             s0,
             t0,
+            row_hi,
+            row_lo,
+            col_hi,
+            col_lo,
+            b_hi,
+            b_lo,
             Nq,
             Nk,
             DOFF,
             LOW,
             HIGH,
-            C,
-            WQ,
-            WK,
             ZSQ,
             ZSK,
             qk_scale,
@@ -1070,6 +1120,8 @@ def _attn_bwd_kv_kernel(
     DELTA,
     ZQ,
     ZK,
+    ZQE,
+    ZKE,
     BIAS,
     KPM,
     DK,
@@ -1141,9 +1193,12 @@ def _attn_bwd_kv_kernel(
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
+    ZQE_b = ZQE + row_q.to(tl.int64) * 2
     zk_bh = ZK + row_k.to(tl.int64) * ZSK
     dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
     bias_h = BIAS + h * sbias_h
+    col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
+    b_hi, b_lo = _bias_ends(bias_h, C)
     kpm_b = KPM + b * skpm_b
     Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
     DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
@@ -1187,12 +1242,17 @@ def _attn_bwd_kv_kernel(
         offs_n,
         j_hi,
         ZQ_b,
+        ZQE_b,
         zk_bh,
         bias_h,
         kpm_b,
+        t0,
+        col_hi,
+        col_lo,
+        b_hi,
+        b_lo,
         dzk_rows,
         COPY_MAP,
-        t0,
     )
     dk, dv, hi_sum, lo_sum = _bwd_kv_range(
         dk,
@@ -1464,10 +1524,12 @@ def _sizes(geo):
 
 
 def _project(x, table, bias, geo, cfg, query_side):
-    """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table."""
+    """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table, and its end
+    columns [token rows, 2] (see _ends)."""
     ntok, width = (geo.nq, geo.wq) if query_side else (geo.nk, geo.wk)
     stride = geo.row_stride(width)  # rows start 32-byte aligned: vector stores and loads
     z = torch.empty((geo.token_rows(query_side), stride), device=x.device, dtype=geo.z_dtype)
+    ends = torch.empty((geo.token_rows(query_side), 2), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
     token_programs = triton.cdiv(ntok, c.block_t) * geo.batch * geo.heads
     splits = _rt.column_splits(token_programs, triton.cdiv(width, c.block_w), x.device)
@@ -1478,6 +1540,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         table,
         bias if bias is not None else table,
         z,
+        ends,
         geo.cu_seqlens_or(z),
         *_strides(x),
         geo.table_head_stride(table),
@@ -1501,13 +1564,14 @@ def _project(x, table, bias, geo, cfg, query_side):
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
-    return z
+    return z, ends
 
 
 def _projections(q, k, expanded, geo, cfg):
-    zq = zk = None
-    zq = _project(q, expanded.aq, expanded.bias if False else None, geo, cfg, True)
-    return zq, zk
+    """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have."""
+    zq = zk = zqe = zke = None
+    zq, zqe = _project(q, expanded.aq, expanded.bias if False else None, geo, cfg, True)
+    return zq, zk, zqe, zke
 
 
 def _scalar_args(geo):
@@ -1526,7 +1590,11 @@ def _scalar_args(geo):
     )
 
 
-def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
+def _or(t, dummy):
+    return t if t is not None else dummy
+
+
+def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     o = torch.empty_like(q)
     lse2 = torch.empty(geo.token_rows(True), device=q.device, dtype=torch.float32)
     c = cfg.forward
@@ -1539,10 +1607,9 @@ def _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg):
         v,
         o,
         lse2,
-        zq if zq is not None else dummy,
-        zk if zk is not None else dummy,
-        bias_vec if bias_vec is not None else dummy,
-        kpm if kpm is not None else dummy,
+        *(_or(z, dummy) for z in projections),
+        _or(bias_vec, dummy),
+        _or(kpm, dummy),
         geo.cu_seqlens_or(dummy),
         *_strides(q),
         *_strides(k),
@@ -1677,7 +1744,7 @@ def _fold(dt, db, table_like, bias_like, geo):
 
 
 def _backward(do, saved, geo, cfg):
-    q, k, v, o, lse2, aq, ak, bias, kpm, zq, zk, expanded = saved
+    q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded = saved
     dummy = lse2
     cu = geo.cu_seqlens_or(dummy)
     delta = torch.empty_like(lse2)
@@ -1698,12 +1765,7 @@ def _backward(do, saved, geo, cfg):
     )
     dz = geo.gradient_buffer(q.device)
     bias_vec = expanded.bias if False else None
-    common = (
-        zq if zq is not None else dummy,
-        zk if zk is not None else dummy,
-        bias_vec if bias_vec is not None else dummy,
-        kpm if kpm is not None else dummy,
-    )
+    common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = geo.copy_map_tensor(q.device) if False else dummy
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(
@@ -1793,22 +1855,22 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, aq, ak, bias, kpm, geo, cfg, keep_projections):
         expanded = geo.expand(aq, ak, bias)
-        zq, zk = _projections(q, k, expanded, geo, cfg)
-        o, lse2 = _forward(q, k, v, zq, zk, expanded, kpm, geo, cfg)
+        projections = _projections(q, k, expanded, geo, cfg)
+        o, lse2 = _forward(q, k, v, projections, expanded, kpm, geo, cfg)
         if not keep_projections:
-            zq = zk = None
-        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, zq, zk)
+            projections = (None,) * 4
+        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, *projections)
         ctx.geo, ctx.cfg, ctx.expanded = geo, cfg, expanded
         ctx.mark_non_differentiable(lse2)
         return o, lse2
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse2, aq, ak, bias, kpm, zq, zk = ctx.saved_tensors
+        q, k, v, o, lse2, aq, ak, bias, kpm, *projections = ctx.saved_tensors
         geo, cfg, expanded = ctx.geo, ctx.cfg, ctx.expanded
-        if zq is None and zk is None and True:
-            zq, zk = _projections(q, k, expanded, geo, cfg)  # recompute_projections=True
-        saved = (q, k, v, o, lse2, aq, ak, bias, kpm, zq, zk, expanded)
+        if projections[0] is None and projections[1] is None and True:
+            projections = _projections(q, k, expanded, geo, cfg)  # recompute_projections=True
+        saved = (q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded)
         dq, dk, dv, daq, dak, dbias = _backward(do.contiguous(), saved, geo, cfg)
         return dq, dk, dv, daq, dak, dbias, None, None, None, None
 

@@ -28,6 +28,7 @@ class GenerationFlags:
     dz_query: bool  # the query-parallel pass writes dZ̃^Q
     dz_key: bool  # the key-parallel pass writes dZ̃^K
     saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
+    end_terms: str  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     bias_from: str | None  # which dZ̃ yields db
     terms_literal: str
     copy_map_literal: str
@@ -54,6 +55,15 @@ class GenerationFlags:
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
             saturates=not plan.length_dependent,
+            end_terms=" + ".join(
+                part
+                for part, present in (
+                    ("row_end[:, None]", plan.has_query),
+                    ("col_end[None, :]", plan.has_key),
+                    ("b_end", bias_mode == "vector"),
+                )
+                if present
+            ),
             bias_from=bias_from,
             terms_literal="(" + "".join(f'"{t}", ' for t in plan.terms).rstrip() + ")",
             copy_map_literal=_copy_map_literal(plan),

@@ -1,0 +1,7 @@
+"""`python -m relgen` is the `relgen` command (useful where the package is on PYTHONPATH but not installed)."""
+
+import sys
+
+from relgen.cli import main
+
+sys.exit(main())
