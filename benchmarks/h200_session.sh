@@ -16,7 +16,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
 specs=(shaw txl deberta_v3 t5)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
-git log --oneline -1 >> "$out/gpu.txt" 2>/dev/null
+# the device's copy of .git can be stale: fingerprint the sources that ran instead
+echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 
 if [ "$phase" = verify ]; then
     lengths=${3:-"512 2048 8192"}

@@ -428,6 +428,15 @@ def test_merge_and_resume_keys(tmp_path):
     assert json.loads(path.read_text())[0]["status"] == "timeout"
 
 
+def test_resume_keeps_timeouts_only_under_an_equal_or_longer_limit():
+    timed_out = {"status": "timeout", "timeout_s": 40.0}
+    assert cli.settled({"status": "ok"}, 300.0) and cli.settled({"status": "oom"}, 300.0)
+    assert not cli.settled({"status": "error"}, 40.0)
+    assert cli.settled(timed_out, 40.0) and cli.settled(timed_out, 30.0)
+    assert not cli.settled(timed_out, 60.0)  # a longer limit may let it finish: measure again
+    assert not cli.settled({"status": "timeout"}, 40.0)  # records from before the limit was kept
+
+
 # -- the report -------------------------------------------------------------------------------------------------
 def synthetic_records() -> list[dict]:
     rng = np.random.default_rng(0)

@@ -111,7 +111,11 @@ def parser() -> argparse.ArgumentParser:
         "same rule evaluated on the GPU",
     )
     ap.add_argument("--seed", type=int, default=None, help="seed of the random system order (default: random)")
-    ap.add_argument("--resume", action="store_true", help=f"skip measurements already recorded as {FINAL_STATUSES}")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"skip measurements already recorded as {FINAL_STATUSES}, or timed out under a limit at least --timeout",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--report-only", action="store_true", help="only rewrite the Markdown and plots from the JSON")
     ap.add_argument("--log-dir", type=Path, default=None, help="worker stderr logs (default: a temporary folder)")
@@ -179,6 +183,13 @@ def plan(args: argparse.Namespace, order_seed: int) -> list[dict[str, Any]]:
 # -- running workers --------------------------------------------------------------------------------------------
 def worker_command() -> list[str]:
     return [sys.executable, "-m", "relgen.bench.worker", "-"]
+
+
+def settled(record: dict[str, Any], timeout_s: float) -> bool:
+    """Whether --resume keeps a record: a final status, or a timeout that a rerun with this limit would repeat."""
+    if record.get("status") in FINAL_STATUSES:
+        return True
+    return record.get("status") == "timeout" and record.get("timeout_s", 0.0) >= timeout_s
 
 
 def failure_record(cfg: dict[str, Any], measurement: dict[str, Any], status: str, error: str) -> dict[str, Any]:
@@ -270,7 +281,8 @@ def run_group(
         failed = current or remaining[0]
         remaining.remove(failed)
         if outcome == "timeout":
-            yield failure_record(cfg, failed, "timeout", f"no record within {timeout_s:.0f} s (killed)")
+            record = failure_record(cfg, failed, "timeout", f"no record within {timeout_s:.0f} s (killed)")
+            yield {**record, "timeout_s": timeout_s}
         else:
             yield failure_record(cfg, failed, "error", f"worker exited with code {rc}: {_tail(log_path)}")
 
@@ -321,7 +333,7 @@ def sweep(args: argparse.Namespace, command: Callable[[], list[str]] = worker_co
     path = out / f"{results_name(args)}.json"
     records = common.load_records(path)
     if args.resume:
-        done = {common.record_key(r) for r in records if r.get("status") in FINAL_STATUSES}
+        done = {common.record_key(r) for r in records if settled(r, args.timeout)}
         for cfg in groups:
             cfg["measurements"] = [
                 m

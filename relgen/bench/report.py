@@ -92,6 +92,8 @@ def _cell(record: dict[str, Any] | None, field: str, best: float | None, fmt) ->
         text = f"**{text}**"
     if record.get("exact") is False:
         text += "†"
+    elif record.get("exact") is None:
+        text += "‡"  # timed with --no-check: exactness not judged in this record
     return text
 
 
@@ -180,6 +182,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "forward state).",
         "",
         "**bold**: fastest / leanest system with relative terms; †: fails the FP32 check (relgen.testing.check_close); "
+        "‡: not checked (timed with --no-check); "
         "oom: out of memory; err: error; t/o: timed out; n/s: unsupported; –: not run. "
         f"Processes: one per {', '.join(modes) or '?'}; torch.compile mode: {', '.join(compile_modes) or 'n/a'}.",
     ]
