@@ -1,0 +1,52 @@
+"""Memory-access widths of the compiled kernels (sm_90 PTX, compiled here without a GPU).
+
+The projection's stores and the token reduction's dZ̃ loads stream whole rows: they must stay 16-byte vector
+accesses. A 2-byte scalar access there cost 6× on the H200 (benchmarks/results/h200/NOTES.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def memory_ops(spec: str) -> dict[str, list[str]]:
+    """Kernel name → compile_check's count of global accesses by width ("st.v4.b32:8 ..."), one per launch."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), str(ROOT / "specs" / spec), "--memory-ops"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if "ptxas" in done.stderr and done.returncode:
+        pytest.skip("no ptxas to compile for sm_90 here")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ops, kernel = {}, None
+    for line in done.stdout.splitlines():
+        match = re.match(r"ok\s+(\w+)", line)
+        if match:
+            kernel = match.group(1)
+        elif kernel and line.startswith("     "):
+            ops.setdefault(kernel, []).append(line.strip())
+    return ops
+
+
+def count(ops: str, op: str) -> int:
+    return sum(int(n) for name, n in re.findall(r"([\w.]+):(\d+)", ops) if name == op)
+
+
+def test_streaming_kernels_use_vector_accesses():
+    ops = memory_ops("deberta_v3.yaml")
+    assert "_project_kernel" in ops and "_reduce_tokens_kernel" in ops, ops
+    # Z̃ rows go out as 16-byte stores; the few 2-byte ones are the end-column buffer's (2 entries per token),
+    # where the scalar row stores of the bug were 64 per thread
+    for launch in ops["_project_kernel"]:  # the query and the key projection
+        assert count(launch, "st.v4.b32") >= 8 and count(launch, "st.b16") <= 4, launch
+    for launch in ops["_reduce_tokens_kernel"]:
+        assert count(launch, "ld.b16") == 0, launch
