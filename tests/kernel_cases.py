@@ -1,10 +1,61 @@
-"""Shared helpers of the kernel tests, re-exported from relgen.verify (the one implementation that
-`relgen check` uses too): random inputs for a spec, and a run against the FP64 reference."""
+"""Shared helpers of the kernel tests: random inputs for a spec and a run against the FP64 reference (re-exported
+from relgen.verify, the one implementation that `relgen check` uses too), and random specs of every map kind."""
 
 from __future__ import annotations
 
+from hypothesis import strategies as st
+
+import relgen
 from relgen.verify import Inputs, assert_all_close, compare, make_inputs
 
-__all__ = ["SPECS", "Inputs", "assert_all_close", "compare", "make_inputs"]
+__all__ = ["MAP_KINDS", "SPECS", "Inputs", "assert_all_close", "compare", "make_inputs", "random_specs"]
 
 SPECS = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder")
+MAP_KINDS = ("identity", "clipped", "t5", "log", "boundaries", "expression")
+
+
+@st.composite
+def random_specs(draw, kinds: tuple[str, ...] = MAP_KINDS):
+    """A random spec: map of one of `kinds` with random parameters, random terms, causality, layout, scale."""
+    kind = draw(st.sampled_from(kinds))
+    offset = draw(st.sampled_from(["query_minus_key", "key_minus_query"]))
+    if kind == "identity":
+        m = {"kind": "identity", "offset": offset}
+    elif kind == "clipped":
+        m = {"kind": "clipped", "min": draw(st.integers(-40, 0)), "max": draw(st.integers(0, 40)), "offset": offset}
+    elif kind == "t5":
+        m = {
+            "kind": "t5",
+            "num_buckets": draw(st.sampled_from([8, 16, 32])),
+            "max_distance": draw(st.sampled_from([20, 40, 128])),
+            "bidirectional": draw(st.booleans()),
+        }
+    elif kind == "log":
+        buckets = draw(st.sampled_from([8, 16, 32]))
+        m = {"kind": "log", "position_buckets": buckets, "max_position": draw(st.integers(buckets // 2 + 2, 64))}
+    elif kind == "boundaries":
+        cuts = sorted(draw(st.sets(st.integers(-50, 50), min_size=1, max_size=6)))
+        m = {"kind": "boundaries", "boundaries": cuts, "offset": offset}
+    else:
+        cap = draw(st.integers(1, 20))
+        expr, rows = draw(
+            st.sampled_from(
+                [
+                    (f"Min(Abs(delta), {cap})", cap + 1),  # ±δ share rows: the atomic path
+                    (f"Max(Min(delta, {cap}), -{cap}) + {cap}", 2 * cap + 1),
+                    (f"floor(Max(Min(delta, {cap}), -{cap}) / 2) + {cap}", 2 * cap + 1),
+                ]
+            )
+        )
+        m = {"kind": "expression", "expr": expr, "rows": rows, "offset": offset}
+    terms = draw(st.sets(st.sampled_from(["query", "key", "bias"]), min_size=1))
+    return relgen.load_spec(
+        {
+            "name": "random",
+            "terms": sorted(terms),
+            "map": m,
+            "causal": draw(st.booleans()),
+            "heads_share_tables": draw(st.booleans()),
+            "scale": draw(st.sampled_from([None, 0.3, "1/sqrt(2*d)"])),
+        }
+    )

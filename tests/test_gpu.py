@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kernel_cases import SPECS, assert_all_close, compare, make_inputs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kernel_cases import MAP_KINDS, SPECS, assert_all_close, compare, make_inputs, random_specs
 
 import relgen
 from relgen import reference
@@ -118,6 +120,22 @@ def test_half_precision_long(name, n, dtype):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=64, dtype=dtype, device="cuda", seed=n)
     assert_all_close(compare_large(spec, inputs, dtype), f"{name} N={n} {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", MAP_KINDS)
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    nq=st.integers(1, 1100),
+    nk=st.integers(1, 1100),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_every_map_kind_on_gpu(kind, data, nq, nk, dtype):
+    """The CPU suite's random specs, one map kind at a time, in half precision on the GPU's compiled kernels."""
+    spec = data.draw(random_specs(kinds=(kind,)), label="spec")
+    inputs = make_inputs(spec, b=2, h=2, nq=nq, nk=nk, d=64, dtype=dtype, device="cuda", seed=nq * 1100 + nk)
+    assert_all_close(compare(spec, inputs, dtype=dtype), f"{spec.model_dump()} Nq={nq} Nk={nk} {dtype}")
 
 
 @needs_cuda

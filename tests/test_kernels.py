@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import SPECS, assert_all_close, compare, make_inputs
+from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_specs
 
 import relgen
 from relgen import codegen
@@ -41,52 +41,6 @@ def test_other_table_layout(name):
 
 
 # -- random specs of every map kind ----------------------------------------------------------------------------
-@st.composite
-def random_specs(draw):
-    kind = draw(st.sampled_from(["identity", "clipped", "t5", "log", "boundaries", "expression"]))
-    offset = draw(st.sampled_from(["query_minus_key", "key_minus_query"]))
-    if kind == "identity":
-        m = {"kind": "identity", "offset": offset}
-    elif kind == "clipped":
-        m = {"kind": "clipped", "min": draw(st.integers(-40, 0)), "max": draw(st.integers(0, 40)), "offset": offset}
-    elif kind == "t5":
-        m = {
-            "kind": "t5",
-            "num_buckets": draw(st.sampled_from([8, 16, 32])),
-            "max_distance": draw(st.sampled_from([20, 40, 128])),
-            "bidirectional": draw(st.booleans()),
-        }
-    elif kind == "log":
-        buckets = draw(st.sampled_from([8, 16, 32]))
-        m = {"kind": "log", "position_buckets": buckets, "max_position": draw(st.integers(buckets // 2 + 2, 64))}
-    elif kind == "boundaries":
-        cuts = sorted(draw(st.sets(st.integers(-50, 50), min_size=1, max_size=6)))
-        m = {"kind": "boundaries", "boundaries": cuts, "offset": offset}
-    else:
-        cap = draw(st.integers(1, 20))
-        expr, rows = draw(
-            st.sampled_from(
-                [
-                    (f"Min(Abs(delta), {cap})", cap + 1),  # ±δ share rows: the atomic path
-                    (f"Max(Min(delta, {cap}), -{cap}) + {cap}", 2 * cap + 1),
-                    (f"floor(Max(Min(delta, {cap}), -{cap}) / 2) + {cap}", 2 * cap + 1),
-                ]
-            )
-        )
-        m = {"kind": "expression", "expr": expr, "rows": rows, "offset": offset}
-    terms = draw(st.sets(st.sampled_from(["query", "key", "bias"]), min_size=1))
-    return relgen.load_spec(
-        {
-            "name": "random",
-            "terms": sorted(terms),
-            "map": m,
-            "causal": draw(st.booleans()),
-            "heads_share_tables": draw(st.booleans()),
-            "scale": draw(st.sampled_from([None, 0.3, "1/sqrt(2*d)"])),
-        }
-    )
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=random_specs(), nq=st.integers(1, 70), nk=st.integers(1, 70), seed=st.integers(0, 1000))
 def test_random_specs_match_reference(spec, nq, nk, seed):
