@@ -3,15 +3,18 @@
 # on PYTHONPATH). Compilation is done in parallel processes first (their timings are thrown away), so the
 # measurements that follow run one at a time on warm caches.
 #
-#   bash benchmarks/h200_session.sh verify OUT [TUNE_LENGTHS]   GPU test suite, tuning tables, kernel profile
+#   bash benchmarks/h200_session.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
+#                                                                tests/test_features.py on the GPU's kernels)
+#   bash benchmarks/h200_session.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
 #   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
 #                                                                .bench_state/attention.json when present;
 #                                                                WARM_S=S first compiles in parallel for S s)
 #
-# verify writes OUT/gpu_tests.log, gpu_figures.jsonl, tune.log, sm90.json (the tuning table, also left in
-# relgen/tuning_tables/), profile.json; bench writes OUT/bench/attention.{json,md}, plots and bench.log.
+# verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
+# relgen/tuning_tables/) and profile.json; bench writes OUT/bench/attention.{json,md}, plots and bench.log.
+# (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
-phase=${1:?phase: verify or bench}
+phase=${1:?phase: verify, tune or bench}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
@@ -21,9 +24,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 
 if [ "$phase" = verify ]; then
+    timeout 540 python3 -m pytest -q -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
+        -p no:cacheprovider -rfE > "$out/gpu_tests.log" 2>&1
+    echo "tests exit $?" >> "$out/gpu_tests.log"
+    tail -5 "$out/gpu_tests.log"
+elif [ "$phase" = tune ]; then
     lengths=${3:-"512 2048 8192"}
-    (timeout 330 python3 -m pytest -q -n 8 tests/test_gpu.py -p no:warnings -p no:cacheprovider -rfE \
-        > "$out/gpu_tests.log" 2>&1; echo "tests exit $?" >> "$out/gpu_tests.log") &
     for s in "${specs[@]}"; do  # compile every tuning candidate and profiled kernel (timings discarded)
         (timeout 240 python3 -m relgen tune "specs/$s.yaml" --seq-lens $lengths --out "/tmp/warm_$s.json" \
             > "/tmp/warm_tune_$s.log" 2>&1
@@ -37,7 +43,7 @@ if [ "$phase" = verify ]; then
     cp relgen/tuning_tables/sm90.json "$out/sm90.json" 2>/dev/null
     timeout 80 python3 benchmarks/profile_kernels.py --seq-lens 1024,8192 --host-profile \
         --json "$out/profile.json" > "$out/profile.log" 2>&1
-    tail -3 "$out/gpu_tests.log" "$out/tune.log"
+    tail -3 "$out/tune.log"
 elif [ "$phase" = bench ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}

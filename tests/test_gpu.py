@@ -261,6 +261,31 @@ def test_features_long(name, dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5_decoder"])
+def test_remaining_options_in_half_precision(name, dtype):
+    """What the long-length tests leave out: a sequence with every key padded (output and gradients 0), a scale
+    override and recompute_projections together, and return_lse with an offset that leaves causal rows keyless."""
+    spec = spec_of(name)
+    n = 1000
+    inputs = make_inputs(spec, b=2, h=2, nq=n, d=64, dtype=dtype, device="cuda", seed=7)
+    mask = torch.ones(2, n, dtype=torch.bool, device="cuda")
+    mask[1] = False
+    options = dict(key_padding_mask=mask, scale=0.1, recompute_projections=True)
+    assert_all_close(compare(spec, inputs, dtype=dtype, **options), f"{name} options {dtype}")
+    fn = relgen.compile_mechanism(spec)
+    out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    assert torch.all(out[1] == 0)
+
+    part = make_inputs(spec, b=2, h=2, nq=n, nk=n - 4, d=64, dtype=dtype, device="cuda", seed=8)
+    _, lse = fn(part.q, part.k, part.v, **part.tables, return_lse=True, k_offset=4)
+    _, want = reference.attention(spec, part.q, part.k, part.v, **part.tables, return_lse=True, k_offset=4)
+    finite = torch.isfinite(want)
+    assert lse.dtype == torch.float32 and torch.equal(torch.isfinite(lse), finite)
+    assert_all_close([("lse", *check_close(lse[finite], want[finite], dtype))], f"{name} lse {dtype}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", ["txl", "deberta_v3", "t5"])
 def test_packed_long(name, dtype):
     spec = spec_of(name)
