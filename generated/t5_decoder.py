@@ -971,6 +971,11 @@ def _attn_bwd_q_kernel(
         (dq * tau).to(DQ.dtype.element_ty),
         mask=row_ok[:, None],
     )
+    # row i's pairs reached columns δ − L − s0 for δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
+    j_last = tl.minimum(Nk, n_end * BLOCK_N) - 1
+    first = tl.maximum(offs_m + DOFF - j_last - LOW - s0, -s0)
+    last = tl.minimum(offs_m + DOFF - LOW - s0, C - 1 - s0)
+    _zero_unreached(dzq_rows, first, last, row_ok, WDZ, BLOCK_N)
     _store_boundary_sums(dzq_rows, hi_sum, lo_sum, row_ok, s0, C, WDZ, COPY_MAP)
 
 
@@ -982,6 +987,28 @@ def _store_boundary_sums(dz_rows, hi_sum, lo_sum, row_ok, start, C, WDZ, COPY_MA
     hi_total = hi_sum + tl.where(C == 1, lo_sum, 0.0)  # C = 1: both sums share the only column
     tl.store(dz_rows + hi_col, hi_total.to(dz_rows.dtype.element_ty), mask=row_ok & (hi_col < WDZ))
     tl.store(dz_rows + lo_col, lo_sum.to(dz_rows.dtype.element_ty), mask=row_ok & (lo_col >= 0) & (C > 1))
+
+
+@triton.jit
+def _zero_unreached(dz_rows, first, last, row_ok, WDZ, BLOCK_W: tl.constexpr):
+    """Zero each row's columns before `first` and after `last`, up to the padded stride: no pair of this pass
+    writes them and the reductions read whole rows (so the buffer needs no clearing pass of its own)."""
+    zero = tl.zeros([BLOCK_W], tl.float32).to(dz_rows.dtype.element_ty)[None, :]
+    for w0 in range(0, tl.minimum(tl.max(tl.where(row_ok, first, 0), 0), WDZ), BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(
+            dz_rows[:, None] + offs_w[None, :],
+            zero,
+            mask=row_ok[:, None] & (offs_w[None, :] < first[:, None]) & (offs_w < WDZ)[None, :],
+        )
+    right = tl.maximum(tl.min(tl.where(row_ok, last, WDZ), 0) + 1, 0)
+    for w0 in range(right, WDZ, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(
+            dz_rows[:, None] + offs_w[None, :],
+            zero,
+            mask=row_ok[:, None] & (offs_w[None, :] > last[:, None]) & (offs_w < WDZ)[None, :],
+        )
 
 
 @triton.jit

@@ -3,6 +3,7 @@ bounds, windows, expanded tables and the backward pass's gradient buffer."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,13 +78,16 @@ class GradientBuffer:
         self.widths = (wq, wk)
         size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
         self.storage = torch.empty(size, device=device, dtype=self.dtype)
+        if os.environ.get("RELGEN_POISON_BUFFERS"):  # tests: an entry that no kernel writes shows up as NaN
+            self.storage.fill_(float("nan"))
 
     def width(self, query_side: bool) -> int:
         return self.widths[0 if query_side else 1]
 
     def _view(self, rows: int, width: int) -> torch.Tensor:
         view = self.storage[: rows * width].view(rows, width)
-        return view.zero_()  # columns no key (query) reaches must read as zero in the reductions
+        # the offset path's passes zero the columns their pairs do not reach (_zero_unreached); atomics add up
+        return view.zero_() if self.geo.path == "atomic" else view
 
     def query_view(self) -> torch.Tensor:
         return self._view(self.geo.token_rows(True), self.widths[0])

@@ -9,6 +9,9 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 
+# internal buffers start as NaN, so that an entry a kernel should write but does not fails the comparison
+os.environ.setdefault("RELGEN_POISON_BUFFERS", "1")
+
 if not HAS_CUDA:
     # must happen before triton is first imported: kernels then run in Triton's interpreter on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
