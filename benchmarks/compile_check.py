@@ -153,8 +153,9 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             if show_memory_ops:
                 print(f"     {memory_ops(compiled.asm['ptx'])}")
             if os.environ.get("RELGEN_DUMP_IR"):  # where to write each kernel's TTGIR (layouts of loads/stores)
-                with open(os.path.join(os.environ["RELGEN_DUMP_IR"], f"{launch['kernel']}.ttgir"), "w") as out:
-                    out.write(compiled.asm["ttgir"])
+                for stage in ("ttgir", "ptx"):
+                    with open(os.path.join(os.environ["RELGEN_DUMP_IR"], f"{launch['kernel']}.{stage}"), "w") as out:
+                        out.write(compiled.asm[stage])
         except Exception as err:  # report every kernel, not just the first failure
             failures += 1
             cause, chain = err, []

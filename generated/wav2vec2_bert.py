@@ -1451,6 +1451,7 @@ def _reduce_table_kernel(
     FP32_DZ: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
     Chunks are summed afterwards in a fixed order, so no atomics are needed."""
@@ -1475,9 +1476,12 @@ def _reduce_table_kernel(
         X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
         for g in range(0, tl.cdiv(Ntok, GROUP)):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
+            if ALIGNED:  # the host checked that every window starts on a multiple of 16: say so, for vector loads
+                start = (start // 16) * 16
             if (start < s_lo + BLOCK_S) & (start + W > s_lo):  # this group's window meets the column block
                 cols = offs_s - start
-                c_ok = (cols >= 0) & (cols < W)
+                # up to the padded stride WDZ (those columns hold zeros): a mask constant over 16 columns
+                c_ok = (cols >= 0) & (cols < WDZ)
                 for t0 in range(g * GROUP, tl.minimum(g * GROUP + GROUP, Ntok), BLOCK_T):
                     offs_t = t0 + tl.arange(0, BLOCK_T)
                     t_ok = offs_t < Ntok
@@ -1715,6 +1719,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         FP32_DZ=red.fp32,
         VARLEN=geo.varlen,
         PREC=red.prec,
+        ALIGNED=red.aligned,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )

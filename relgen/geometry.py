@@ -56,6 +56,7 @@ class Reduction:
     low: int
     fp32: bool
     prec: str
+    aligned: bool  # every window starts on a multiple of 16 columns (the kernels may then load dZ̃ vector-wide)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,9 @@ class Geometry:
     def reduction(self, query_side: bool) -> Reduction:
         if self.path == "atomic":  # W = C = R: every window starts at row 0
             r = self.rows
-            return Reduction(columns=r, width=r, stride=r, doff=self.doff, low=self.low, fp32=True, prec="ieee")
+            return Reduction(
+                columns=r, width=r, stride=r, doff=self.doff, low=self.low, fp32=True, prec="ieee", aligned=True
+            )
         width = self.wq if query_side else self.wk
         fp32 = self.dtype == torch.float32
         return Reduction(
@@ -226,7 +229,19 @@ class Geometry:
             low=self.low,
             fp32=fp32,
             prec=self.prec,
+            aligned=self.windows_aligned(query_side),
         )
+
+    def windows_aligned(self, query_side: bool) -> bool:
+        """Whether every group's window start clip(±gG + base, 0, C − W) is a multiple of 16 (ALGORITHM.md's
+        window formula; base as in the kernels' `_window_base`). Packed sequences have a base per sequence: no."""
+        width = self.wq if query_side else self.wk
+        if self.c == width:
+            return True  # every window is the whole expansion and starts at 0
+        if self.varlen:
+            return False
+        base = self.doff - (self.nk - 1 if query_side else self.group - 1) - self.low
+        return base % 16 == 0 and (self.c - width) % 16 == 0 and self.group % 16 == 0
 
     # device tensors ---------------------------------------------------------------------------------------
     def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Geometry facts the kernels rely on, checked by brute force over the windows they compute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import make_inputs
+
+import relgen
+from relgen.arguments import prepare_call
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def geometry(module, inputs, **options):
+    tables = {name: inputs.tables.get(name) for name in ("aq", "ak", "bias")}
+    return prepare_call(module.PLAN, inputs.q, inputs.k, inputs.v, *tables.values(), **options).geo
+
+
+def window_starts(geo, query_side: bool) -> list[int]:
+    """clip(±gG + base, 0, C − W) for every group (ALGORITHM.md), as the kernels' `_window_start` computes it."""
+    width = geo.wq if query_side else geo.wk
+    tokens = geo.nq if query_side else geo.nk
+    base = geo.doff - (geo.nk - 1 if query_side else geo.group - 1) - geo.low
+    sign = 1 if query_side else -1
+    groups = -(-tokens // geo.group)
+    return [min(max(sign * g * geo.group + base, 0), geo.c - width) for g in range(groups)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["shaw", "txl", "deberta_v3", "t5", "t5_decoder"]),
+    nq=st.integers(1, 300),
+    nk=st.integers(1, 300),
+    k_offset=st.sampled_from([0, 16, 5]),
+)
+def test_aligned_windows_start_on_multiples_of_16(name, nq, nk, k_offset):
+    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    length = max(nq, k_offset + nk)
+    inputs = make_inputs(spec, b=1, h=1, nq=nq, nk=nk, d=16, device="cpu", length=length)
+    module = relgen.compile_mechanism(spec).module_for(length)
+    geo = geometry(module, inputs, k_offset=k_offset)
+    for query_side in (True, False):
+        if geo.windows_aligned(query_side):
+            assert all(start % 16 == 0 for start in window_starts(geo, query_side)), (query_side, geo)
+
+
+@pytest.mark.parametrize(("name", "n"), [("txl", 64), ("txl", 256), ("deberta_v3", 1024)])
+def test_windows_aligned_where_the_benchmark_needs_it(name, n):
+    """TXL (windows at multiples of G) and DeBERTa at long lengths (each window the whole expansion)."""
+    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    inputs = make_inputs(spec, b=1, h=1, nq=n, d=16, device="cpu")
+    module = relgen.compile_mechanism(spec).module_for(n)
+    geo = geometry(module, inputs)
+    assert geo.windows_aligned(True) and geo.windows_aligned(False)
