@@ -1833,12 +1833,16 @@ def _backward(do, saved, geo, cfg):
     daq = dbias = dak = None
     dt, db = _reduce(dq_part, dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=False, want_bias=True)
     daq, dbias = _fold(dt, db, aq, bias, geo)
+    key_width = dz.width(False)
+    dzk = dz.key_view() if False else dummy
+    # release what only the query pass needed (the dZ̃ buffer too, unless the key pass reuses it) before dK and dV
+    # exist: the backward's peak memory is the larger pass, not both
+    del dq_part, dzq, dz
 
     # key-parallel pass, then its reduction (dK += dZ̃^K·Ã^K, dÃ^K)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dk_part = torch.empty(k.shape, device=k.device, dtype=torch.float32) if False else dk
-    dzk = dz.key_view() if False else dummy
     _attn_bwd_kv_kernel[(triton.cdiv(geo.nk, c.block_n), geo.batch * geo.heads)](
         q,
         k,
@@ -1861,7 +1865,7 @@ def _backward(do, saved, geo, cfg):
         *_strides(dk_part),
         *_strides(dv),
         *_scalar_args(geo),
-        dz.width(False),
+        key_width,
         geo.qk_scale,
         geo.scale,
         **meta,
