@@ -1063,7 +1063,7 @@ def _attn_bwd_q_kernel(
         (dq * tau).to(DQ.dtype.element_ty),
         mask=row_ok[:, None],
     )
-    # row i's pairs reached columns δ − L − s0 for δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
+    # row i's pairs reached columns δ − L − s0, δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
     j_last = tl.minimum(Nk, n_end * BLOCK_N) - 1
     first = tl.maximum(offs_m + DOFF - j_last - LOW - s0, -s0)
     last = tl.minimum(offs_m + DOFF - LOW - s0, C - 1 - s0)
@@ -1462,7 +1462,7 @@ def _attn_bwd_kv_kernel(
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None],
     )
-    # key j's pairs reached columns δ − L − t0 for δ ∈ [i_first + DOFF − j, i_last + DOFF − j], clipped likewise
+    # key j's pairs reached columns δ − L − t0, δ ∈ [i_first + DOFF − j, i_last + DOFF − j], clipped alike
     i_first = m_start * BLOCK_M
     i_last = tl.minimum(Nq, m_end * BLOCK_M) - 1
     first = tl.maximum(i_first + DOFF - offs_n - LOW - t0, -t0)

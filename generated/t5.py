@@ -973,7 +973,7 @@ def _attn_bwd_q_kernel(
         (dq * tau).to(DQ.dtype.element_ty),
         mask=row_ok[:, None],
     )
-    # row i's pairs reached columns δ − L − s0 for δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
+    # row i's pairs reached columns δ − L − s0, δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
     j_last = tl.minimum(Nk, n_end * BLOCK_N) - 1
     first = tl.maximum(offs_m + DOFF - j_last - LOW - s0, -s0)
     last = tl.minimum(offs_m + DOFF - LOW - s0, C - 1 - s0)
