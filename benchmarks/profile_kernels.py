@@ -19,6 +19,7 @@ import triton
 
 import relgen
 from relgen.config import AttnTiles, default_config, override_config
+from relgen.verify import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS, HEAD_DIM = 16384, 12, 64
@@ -29,20 +30,8 @@ BACKWARD_SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2
 def inputs(name: str, n: int, batch: int | None = None, heads: int = HEADS):
     spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
     b = batch or max(1, TOKENS // n)
-    rows = spec.map.num_rows(n)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda") * scale).half().requires_grad_()
-
-    q, k, v = rand(b, heads, n, HEAD_DIM), rand(b, heads, n, HEAD_DIM), rand(b, heads, n, HEAD_DIM)
-    tables = {}
-    if spec.has_query:
-        tables["aq"] = rand(heads, rows, HEAD_DIM, scale=0.5)
-    if spec.has_key:
-        tables["ak"] = rand(heads, rows, HEAD_DIM, scale=0.5)
-    if spec.has_bias:
-        tables["bias"] = torch.randn(heads, rows, device="cuda").requires_grad_()
-    return relgen.compile_mechanism(spec), (q, k, v), tables
+    made = make_inputs(spec, b=b, h=heads, nq=n, d=HEAD_DIM, dtype=torch.float16, device="cuda")
+    return relgen.compile_mechanism(spec), (made.q, made.k, made.v), made.tables
 
 
 def kernel_times(run, iters: int = 5) -> dict[str, float]:
