@@ -14,6 +14,7 @@ import torch
 import triton
 
 import relgen
+from relgen.verify import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,19 +23,8 @@ def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dt
     spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
     b = max(1, tokens // n)
     rows = spec.map.num_rows(n)
-    dev = "cuda"
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev) * scale).to(dtype).requires_grad_()
-
-    q, k, v = rand(b, h, n, d), rand(b, h, n, d), rand(b, h, n, d)
-    tables = {}
-    if spec.has_query:
-        tables["aq"] = rand(h, rows, d, scale=0.5)
-    if spec.has_key:
-        tables["ak"] = rand(h, rows, d, scale=0.5)
-    if spec.has_bias:
-        tables["bias"] = torch.randn(h, rows, device=dev).requires_grad_()
+    made = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=dtype, device="cuda")
+    q, k, v, tables = made.q, made.k, made.v, made.tables
     fn = relgen.compile_mechanism(spec)
     t = time.time()
     out = fn(q, k, v, **tables)
