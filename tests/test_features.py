@@ -112,8 +112,13 @@ def test_recompute_projections_gives_the_same_gradients(name):
     for recompute in (False, True):
         out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, recompute_projections=recompute)
         grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    # the atomic path sums relation gradients in arrival order, so on a GPU only the offset path repeats bitwise
+    deterministic = relgen.analyze(spec).path == "offset"
     for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b)
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_scale_override():
