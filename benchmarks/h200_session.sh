@@ -8,7 +8,9 @@
 #   bash benchmarks/h200_session.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
 #   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
 #                                                                .bench_state/attention.json when present;
-#                                                                WARM_S=S first compiles in parallel for S s)
+#                                                                WARM_S=S first compiles in parallel for S s;
+#                                                                MECHS="shaw t5" restricts the mechanisms, so
+#                                                                two GPUs can each take a share: see NOTES.md)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
 # relgen/tuning_tables/) and profile.json; bench writes OUT/bench/attention.{json,md}, plots and bench.log.
@@ -18,7 +20,7 @@ phase=${1:?phase: verify, tune or bench}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
-specs=(shaw txl deberta_v3 t5)
+read -r -a specs <<< "${MECHS:-shaw txl deberta_v3 t5}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
 # the device's copy of .git can be stale: fingerprint the sources that ran instead
 echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
@@ -50,10 +52,12 @@ elif [ "$phase" = bench ]; then
     warm=${WARM_S:-0}  # seconds of parallel compile-only runs first (torch.compile and Triton disk caches)
     mkdir -p "$out/bench"
     if [ "$warm" -gt 0 ]; then
-        for s in "${specs[@]}"; do
-            timeout "$warm" python3 -m relgen.bench --out "/tmp/warm_bench_$s" --mechanisms "$s" --seq-lens "$lengths" \
-                --flex-mode default --process-per group --no-check --min-reps 1 --warmup-ms 1 --rep-ms 1 \
-                --timeout "$warm" > "/tmp/warm_bench_$s.log" 2>&1 &
+        for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N)
+            for n in ${lengths//,/ }; do
+                timeout "$warm" python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" \
+                    --seq-lens "$n" --flex-mode default --process-per group --no-check --min-reps 1 --warmup-ms 1 \
+                    --rep-ms 1 --timeout "$warm" > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
+            done
         done
         wait
         budget=$((budget - warm))
@@ -63,6 +67,7 @@ elif [ "$phase" = bench ]; then
     timeout $((budget + 30)) python3 -m relgen.bench --out "$out/bench" --seq-lens "$lengths" \
         --systems relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled --flex-mode default \
         --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
+        --mechanisms "$(IFS=,; echo "${specs[*]}")" \
         > "$out/bench.log" 2>&1
     echo "bench exit $?" >> "$out/bench.log"
     tail -40 "$out/bench.log"
