@@ -94,15 +94,20 @@ class override_config:
         _override.pop()
 
 
-def default_config(dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
+def default_config(
+    dtype: torch.dtype, head_dim: int, seq_len: int, terms: tuple[str, ...] = ("query",)
+) -> KernelConfig:
     """Resource heuristic for CUDA GPUs when no tuned entry exists."""
     if interpreting():
         return INTERPRETER_CONFIG
     big_d = head_dim > 64
     fp32 = dtype == torch.float32
+    # a band tile that gathers both Z^Q and Z^K holds twice the per-score registers: on the H200 64-row forward
+    # tiles beat 128 rows for query+key at every tuned length (1.9× at 512 and 2K, 1.35× at 8K; sm90.json)
+    two_gathers = "query" in terms and "key" in terms
     # 4 warps beat 8 on the H200 for every shipped spec at 8K (benchmarks/results/h200/NOTES.md, tile sweep)
     fwd = AttnTiles(
-        128 if not fp32 else 64,
+        128 if not (fp32 or two_gathers) else 64,
         64 if not big_d else 32,
         num_warps=8 if big_d and not fp32 else 4,
         num_stages=3 if not big_d else 2,
@@ -123,7 +128,7 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
         return _override[-1]
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
-    return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len)
+    return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len, plan.terms)
 
 
 def column_splits(token_programs: int, column_blocks: int, device: torch.device) -> int:

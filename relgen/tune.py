@@ -374,8 +374,9 @@ class Tuner:
         """The table entry and timings of one key (specs sharing it) at one length; None if nothing ran."""
         from relgen.runtime import default_config
 
-        base = replace(default_config(self.dtype, self.head_dim, seq_len), group=GROUP)
         problems = [self.problem(spec, seq_len) for spec in specs]
+        terms = tuple(problems[0].mechanism.module.PLAN.terms)
+        base = replace(default_config(self.dtype, self.head_dim, seq_len, terms), group=GROUP)
         fwd: dict[str, Any] = {}
         bwd: dict[str, Any] = {}
         try:

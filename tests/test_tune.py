@@ -160,3 +160,16 @@ def test_needs_a_gpu(monkeypatch, capsys, tmp_path, command, words):
     assert code == 2 and out == ""
     assert err.startswith(f"relgen: error: 'relgen {command}' needs a CUDA GPU") and words in err
     assert err.count("\n") == 1
+
+
+def test_heuristic_halves_forward_rows_for_two_gathered_terms(monkeypatch):
+    """query+key band tiles gather Z^Q and Z^K: the GPU heuristic gives them 64-row forward tiles (sm90.json's
+    measurements), while one gathered term keeps 128 rows; the tiles still divide the group."""
+    from relgen import config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    both = config.default_config(torch.float16, 64, 1024, ("query", "key"))
+    one = config.default_config(torch.float16, 64, 1024, ("query",))
+    assert (both.forward.block_m, one.forward.block_m) == (64, 128)
+    assert both.backward == one.backward and both.project == one.project
+    both.check()
