@@ -13,7 +13,9 @@
 #                                                                two GPUs can each take a share: see NOTES.md)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
-# relgen/tuning_tables/) and profile.json; bench writes OUT/bench/attention.{json,md}, plots and bench.log.
+# relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json and bench.log only (a device call
+# returns at most 8 files: two bench shares with plots lost one share's results once; render the report here
+# with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
 # (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
 phase=${1:?phase: verify, tune or bench}
@@ -50,7 +52,7 @@ elif [ "$phase" = bench ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}
     warm=${WARM_S:-0}  # seconds of parallel compile-only runs first (torch.compile and Triton disk caches)
-    mkdir -p "$out/bench"
+    work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
     if [ "$warm" -gt 0 ]; then
         for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N)
             for n in ${lengths//,/ }; do
@@ -63,13 +65,14 @@ elif [ "$phase" = bench ]; then
         budget=$((budget - warm))
     fi
     # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
-    [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$out/bench/attention.json"
-    timeout $((budget + 30)) python3 -m relgen.bench --out "$out/bench" --seq-lens "$lengths" \
+    [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$work/attention.json"
+    timeout $((budget + 30)) python3 -m relgen.bench --out "$work" --seq-lens "$lengths" \
         --systems relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled --flex-mode default \
         --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
         --mechanisms "$(IFS=,; echo "${specs[*]}")" \
         > "$out/bench.log" 2>&1
     echo "bench exit $?" >> "$out/bench.log"
+    cp "$work/attention.json" "$out/attention.json"
     tail -40 "$out/bench.log"
 else
     echo "unknown phase $phase" >&2

@@ -545,6 +545,27 @@ def test_report_only_cli(tmp_path, capsys):
     assert cli.main(["--report-only", "--out", str(tmp_path / "empty")]) == 1
 
 
+def test_merge_cli_keeps_each_measurements_newest_record(tmp_path, capsys):
+    """Two GPUs resume one state in parallel, each re-measuring its own mechanisms: the union keeps the fresh
+    records whatever order the files come in, and the report is rewritten."""
+    base = {"mechanism": "t5", "system": "relgen", "variant": None, "seq_len": 128, "pass": "fwd", "dtype": "fp16"}
+    base |= {"batch": 128, "heads": 12, "head_dim": 64, "status": "ok", "ms": 1.0, "tflops": 1.0, "peak_mib": 1.0}
+    old_t5, old_txl = (
+        dict(base, timestamp="2026-11-29T10:00:00+0000"),
+        dict(base, mechanism="txl", timestamp="2026-11-29T10:00:00+0000"),
+    )
+    new_t5 = dict(old_t5, ms=0.5, timestamp="2026-11-29T12:00:00+0000")
+    new_txl = dict(old_txl, ms=0.25, timestamp="2026-11-29T12:00:01+0000")
+    common.write_records(tmp_path / "attention.json", [old_t5, old_txl])
+    common.write_records(tmp_path / "gpu0.json", [new_t5, old_txl])
+    common.write_records(tmp_path / "gpu1.json", [old_t5, new_txl])
+    assert cli.main(["--merge", str(tmp_path / "gpu0.json"), str(tmp_path / "gpu1.json"), "--out", str(tmp_path)]) == 0
+    merged = {r["mechanism"]: r["ms"] for r in common.load_records(tmp_path / "attention.json")}
+    assert merged == {"t5": 0.5, "txl": 0.25}
+    assert "attention.md" in capsys.readouterr().out
+    assert cli.main(["--merge", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+
+
 # -- on a GPU ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_smoke_all_systems(tmp_path):

@@ -118,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--report-only", action="store_true", help="only rewrite the Markdown and plots from the JSON")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="merge result files of parallel runs into OUT's results (newest record per measurement wins), then "
+        "rewrite the report",
+    )
     ap.add_argument("--log-dir", type=Path, default=None, help="worker stderr logs (default: a temporary folder)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: tests of the runner only
     return ap
@@ -403,6 +411,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             print(f"relgen bench: unknown ablations {unknown}; expected some of {list(ABLATIONS)}", file=sys.stderr)
             return 2
+    if args.merge:
+        path = args.out / f"{results_name(args)}.json"
+        missing = [str(p) for p in args.merge if not p.exists()]
+        if missing:
+            print(f"relgen bench: --merge: no such file {missing}", file=sys.stderr)
+            return 2
+        try:
+            lists = [common.load_records(path), *(common.load_records(p) for p in args.merge)]
+        except ValueError as err:
+            print(f"relgen bench: --merge: {err}", file=sys.stderr)
+            return 2
+        common.write_records(path, common.newest_records(*lists))
+        print(path)
+        args.report_only = True
     if args.report_only:
         written = report.write_reports(args.out)
         for p in written:

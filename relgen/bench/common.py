@@ -166,6 +166,18 @@ def merge_records(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
     return list(merged.values())
 
 
+def newest_records(*lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Union of result files from runs that resumed one state in parallel (one GPU each): per key the record with
+    the latest timestamp wins, so a share's fresh measurement beats another share's copy of the old state."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for records in lists:
+        for record in records:
+            key = record_key(record)
+            if key not in merged or str(record.get("timestamp", "")) > str(merged[key].get("timestamp", "")):
+                merged[key] = record
+    return list(merged.values())
+
+
 def check_close(actual, expected, dtype, *, on_device: bool = True) -> tuple[bool, str]:
     """The paper's criterion: relgen.testing.check_close, evaluated in float64 on the tensors' own device
     (``on_device=False``: on the CPU, about a second per 12M-element tensor with many cores, several on few)."""
