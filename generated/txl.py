@@ -1533,10 +1533,10 @@ def _project(x, table, bias, geo, cfg, query_side):
     z = torch.empty((geo.token_rows(query_side), stride), device=x.device, dtype=geo.z_dtype)
     ends = torch.empty((geo.token_rows(query_side), 2), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
-    token_programs = triton.cdiv(ntok, c.block_t) * geo.batch * geo.heads
-    splits = _rt.column_splits(token_programs, triton.cdiv(width, c.block_w), x.device)
-    cols = triton.cdiv(triton.cdiv(width, splits), c.block_w) * c.block_w
-    grid = (triton.cdiv(width, cols), triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
+    token_programs = _rt.cdiv(ntok, c.block_t) * geo.batch * geo.heads
+    splits = _rt.column_splits(token_programs, _rt.cdiv(width, c.block_w), x.device)
+    cols = _rt.cdiv(_rt.cdiv(width, splits), c.block_w) * c.block_w
+    grid = (_rt.cdiv(width, cols), _rt.cdiv(ntok, c.block_t), geo.batch * geo.heads)
     _project_kernel[grid](
         x,
         table,
@@ -1602,7 +1602,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     c = cfg.forward
     dummy = lse2
     bias_vec = expanded.bias if False else None
-    grid = (triton.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
+    grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
     _attn_fwd_kernel[grid](
         q,
         k,
@@ -1645,7 +1645,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
     cu = geo.cu_seqlens_or(dz)
     sign = 1 if query_side else -1
     if want_table:
-        grid = (triton.cdiv(ntok, c.block_t), geo.batch * geo.heads)
+        grid = (_rt.cdiv(ntok, c.block_t), geo.batch * geo.heads)
         _reduce_tokens_kernel[grid](
             dx_part,
             dz,
@@ -1673,11 +1673,11 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         )
     heads = 1 if geo.shared_tables else geo.heads
     items = geo.batch * geo.heads if geo.shared_tables else geo.batch
-    chunks = _rt.table_chunks(items, heads * triton.cdiv(red.columns, c.block_s), x.device)
-    per_chunk = triton.cdiv(items, chunks)
+    chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
+    per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
     db_part = torch.empty((chunks, heads, red.columns), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(red.columns, c.block_s), heads, chunks)
+    grid = (_rt.cdiv(red.columns, c.block_s), heads, chunks)
     _reduce_table_kernel[grid](
         dz,
         x,
@@ -1752,7 +1752,7 @@ def _backward(do, saved, geo, cfg):
     cu = geo.cu_seqlens_or(dummy)
     delta = torch.empty_like(lse2)
     c = cfg.backward
-    _bwd_preprocess_kernel[(triton.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
+    _bwd_preprocess_kernel[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         o,
         do,
         delta,
@@ -1790,7 +1790,7 @@ def _backward(do, saved, geo, cfg):
     dq = torch.empty_like(q)
     dq_part = torch.empty(q.shape, device=q.device, dtype=torch.float32) if True else dq
     dzq = dz.query_view() if True else dummy
-    _attn_bwd_q_kernel[(triton.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
+    _attn_bwd_q_kernel[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         q,
         k,
         v,
@@ -1828,7 +1828,7 @@ def _backward(do, saved, geo, cfg):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dk_part = torch.empty(k.shape, device=k.device, dtype=torch.float32) if False else dk
-    _attn_bwd_kv_kernel[(triton.cdiv(geo.nk, c.block_n), geo.batch * geo.heads)](
+    _attn_bwd_kv_kernel[(_rt.cdiv(geo.nk, c.block_n), geo.batch * geo.heads)](
         q,
         k,
         v,

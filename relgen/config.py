@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -128,7 +129,25 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
         return _override[-1]
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
-    return tuning.lookup(plan.terms, dtype, head_dim, seq_len) or default_config(dtype, head_dim, seq_len, plan.terms)
+    return _selected(plan.terms, dtype, head_dim, tuning.bucket(seq_len), interpreting())
+
+
+@functools.lru_cache(maxsize=256)
+def _selected(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, bucket: int, interpreted: bool):
+    """select_config once per (terms, dtype, head dim, length bucket): every length of a bucket shares it."""
+    from relgen import tuning
+
+    return tuning.lookup(terms, dtype, head_dim, bucket) or default_config(dtype, head_dim, bucket, terms)
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for the host (triton.cdiv is a constexpr function now, ten times the cost per call)."""
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def column_splits(token_programs: int, column_blocks: int, device: torch.device) -> int:
@@ -136,13 +155,11 @@ def column_splits(token_programs: int, column_blocks: int, device: torch.device)
     fills the GPU (each program then streams its whole window), more when there are few token blocks."""
     if device.type != "cuda":
         return min(column_blocks, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(column_blocks, math.ceil(4 * sms / max(token_programs, 1))))
+    return max(1, min(column_blocks, math.ceil(4 * _sm_count(device) / max(token_programs, 1))))
 
 
 def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
     """How many fp32 partials the table reductions write: enough programs to fill the GPU, no more."""
     if device.type != "cuda":
         return min(items, 2)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(items, math.ceil(2 * sms / max(column_programs, 1))))
+    return max(1, min(items, math.ceil(2 * _sm_count(device) / max(column_programs, 1))))

@@ -3,8 +3,9 @@ bounds, windows, expanded tables and the backward pass's gradient buffer."""
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,8 +13,6 @@ import torch
 from relgen.config import KernelConfig
 
 LOG2E = 1.4426950408889634
-
-_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -34,6 +33,15 @@ class PlanInfo:
     fold: Any  # ((first, count) per row) or None
     path: str
     valid_up_to: int | None
+    # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
+    # call would cost more than the launch it serves
+    constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @functools.cached_property
+    def copies_are_rows(self) -> bool:
+        """β(s) = s with C = R: the expanded tables are the tables themselves (no gather)."""
+        beta = self.copy_map
+        return beta == "identity" or (not isinstance(beta, str) and tuple(beta) == tuple(range(self.rows)))
 
     def rows_at(self, length: int) -> int:
         return 2 * length - 1 if self.length_dependent else self.rows
@@ -131,18 +139,19 @@ class Geometry:
 
     @classmethod
     def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
-        geo = cls(plan=plan, **kw)
-        low, high = plan.bounds_at(geo.length)
+        low, high = plan.bounds_at(kw["length"])
         c = high - low + 1
-        g = geo.config.group
-        return replace(
-            geo,
+        g = kw["config"].group
+        full = kw.get("full_windows", False)
+        return cls(
+            plan=plan,
             low=low,
             high=high,
             c=c,
-            rows=plan.rows_at(geo.length),
-            wq=c if geo.full_windows else min(c, geo.nk + g - 1),
-            wk=c if geo.full_windows else min(c, geo.nq + g - 1),
+            rows=plan.rows_at(kw["length"]),
+            wq=c if full else min(c, kw["nk"] + g - 1),
+            wk=c if full else min(c, kw["nq"] + g - 1),
+            **kw,
         )
 
     # derived scalars --------------------------------------------------------------------------------------
@@ -191,14 +200,10 @@ class Geometry:
     @property
     def copy_beta(self) -> list[int] | None:
         """β(s) for s ∈ [0, C), or None when β is the identity."""
+        if self.plan.copies_are_rows:
+            return None
         beta = self.plan.copy_map
-        if beta == "identity":
-            return None
-        if beta == "reversed":
-            return list(range(self.c - 1, -1, -1))
-        if list(beta) == list(range(self.c)) and self.rows == self.c:
-            return None
-        return list(beta)
+        return list(range(self.c - 1, -1, -1)) if beta == "reversed" else list(beta)
 
     @property
     def fold(self) -> Any:
@@ -246,25 +251,18 @@ class Geometry:
     # device tensors ---------------------------------------------------------------------------------------
     def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """β on the device; kept across calls (building it anew would copy from the host every call)."""
-        return _device_constant(
-            ("beta", self.plan.copy_map, self.c, self.rows),
-            device,
-            dtype,
-            lambda: self.copy_beta or list(range(self.c)),
-        )
+        return self._device_constant(("beta", dtype), device, lambda: self.copy_beta or list(range(self.c)))
 
     def fold_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(first column, count) of each row's run of copies, on the device."""
-        key = ("fold", self.plan.fold, self.plan.copy_map, self.c, self.rows)
-        first = _device_constant((*key, "first"), device, torch.int32, lambda: [f for f, _ in self.fold])
-        count = _device_constant((*key, "count"), device, torch.int32, lambda: [n for _, n in self.fold])
+        first = self._device_constant(("fold first", torch.int32), device, lambda: [f for f, _ in self.fold])
+        count = self._device_constant(("fold count", torch.int32), device, lambda: [n for _, n in self.fold])
         return first, count
 
     def expand(self, aq, ak, bias) -> Expanded:
         """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
-        beta = self.copy_beta
         some = next(t for t in (aq, ak, bias) if t is not None)
-        index = None if beta is None else self.copy_map_tensor(some.device, torch.long)
+        index = None if self.plan.copies_are_rows else self.copy_map_tensor(some.device, torch.long)
 
         def copy(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
             if t is None:
@@ -282,13 +280,14 @@ class Geometry:
             ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
         )
 
+    def _device_constant(self, what: tuple, device: torch.device, values) -> torch.Tensor:
+        """A small index tensor of the plan, built once per (what, C, device) and reused by every later call
+        (what names the tensor and its dtype; C varies with the length only for identity maps)."""
+        key = (*what, self.c, str(device))
+        table = self.plan.constants
+        if key not in table:
+            table[key] = torch.tensor(values(), dtype=what[-1], device=device).contiguous()
+        return table[key]
+
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:
         return GradientBuffer(self, device)
-
-
-def _device_constant(key: tuple, device: torch.device, dtype: torch.dtype, values) -> torch.Tensor:
-    """A small index tensor built once per (key, device, dtype) and reused by every later call."""
-    full = (key, str(device), dtype)
-    if full not in _DEVICE_CONSTANTS:
-        _DEVICE_CONSTANTS[full] = torch.tensor(values(), dtype=dtype, device=device).contiguous()
-    return _DEVICE_CONSTANTS[full]
