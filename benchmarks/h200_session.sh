@@ -10,7 +10,8 @@
 #                                                                .bench_state/attention.json when present;
 #                                                                WARM_S=S first compiles in parallel for S s;
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
-#                                                                two GPUs can each take a share: see NOTES.md)
+#                                                                two GPUs can each take a share: see NOTES.md;
+#                                                                SYSTEMS=relgen,sdpa_plain the systems)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
 # relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json and bench.log only (a device call
@@ -67,7 +68,7 @@ elif [ "$phase" = bench ]; then
     # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
     [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$work/attention.json"
     timeout $((budget + 30)) python3 -m relgen.bench --out "$work" --seq-lens "$lengths" \
-        --systems relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled --flex-mode default \
+        --systems "${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}" --flex-mode default \
         --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
         --mechanisms "$(IFS=,; echo "${specs[*]}")" \
         > "$out/bench.log" 2>&1
