@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import make_inputs
@@ -56,3 +57,28 @@ def test_windows_aligned_where_the_benchmark_needs_it(name, n):
     module = relgen.compile_mechanism(spec).module_for(n)
     geo = geometry(module, inputs)
     assert geo.windows_aligned(True) and geo.windows_aligned(False)
+
+
+@pytest.mark.parametrize(
+    ("name", "n"),
+    [("shaw", 300), ("txl", 40), ("deberta_v3", 520), ("t5", 200), ("t5_decoder", 200), ("wav2vec2_bert", 80)],
+)
+def test_expanded_tables_hold_the_row_of_every_offset(name, n):
+    """Ã = E·A: expanded column s is the table row φ(low + s) by the reference's own φ, for every offset of the
+    expansion (including the plans whose β is the identity and skip the gather)."""
+    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    module = relgen.compile_mechanism(spec).module
+    inputs = make_inputs(spec, b=1, h=2, nq=n, d=16)
+    geo = geometry(module, inputs)
+    tables = {t: inputs.tables.get(t) for t in ("aq", "ak", "bias")}
+    expanded = geo.expand(*tables.values())
+    rows = relgen.reference.relation_rows(spec, n, n)
+    deltas = range(geo.low, geo.high + 1)
+    assert geo.low >= -(n - 1) and geo.high <= n - 1  # every offset of the expansion occurs in this call
+    phi = [int(rows[d, 0]) if d >= 0 else int(rows[0, -d]) for d in deltas]
+    for table, got in ((tables["aq"], expanded.aq), (tables["ak"], expanded.ak)):
+        if table is not None:
+            assert got.shape[-2] == geo.c
+            assert torch.equal(got, table[..., phi, :])
+    if tables["bias"] is not None:
+        assert torch.equal(expanded.bias, tables["bias"][..., phi].float())

@@ -173,3 +173,14 @@ def test_heuristic_halves_forward_rows_for_two_gathered_terms(monkeypatch):
     assert (both.forward.block_m, one.forward.block_m) == (64, 128)
     assert both.backward == one.backward and both.project == one.project
     both.check()
+
+
+def test_selection_is_shared_by_a_bucket_and_yields_to_an_override():
+    from relgen import config
+
+    plan = relgen.compile_mechanism(ROOT / "specs" / "deberta_v3.yaml").module.PLAN
+    first = config.select_config(plan, torch.float16, 64, 600)
+    assert config.select_config(plan, torch.float16, 64, 700) is first  # one bucket (768), one selection
+    with config.override_config(CONFIG):
+        assert config.select_config(plan, torch.float16, 64, 600) is CONFIG
+    assert config.select_config(plan, torch.float16, 64, 600) is first
