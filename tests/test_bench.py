@@ -513,6 +513,26 @@ def test_report_from_synthetic_records(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_targets_section_judges_the_records():
+    records = synthetic_records()
+    md = report.markdown(records)
+    assert "## Targets (the paper's kernels on an H200, fp16, N = 8K)" in md
+    # synthetic relgen runs at 200 TFLOP/s everywhere: below Shaw's 279 forward, above its 166 backward
+    shaw = next(line for line in md.splitlines() if line.startswith("| shaw | "))
+    assert shaw.startswith("| shaw | 200 (279) ✗ | 200 (166) ✓ |")
+    assert "- shaw: ✓" in md  # fastest at every length (peers are drawn below 150)
+    slow = [r for r in records if not (r["system"] == "relgen" and r["mechanism"] == "t5" and r["seq_len"] == 1024)]
+    slow += [
+        dict(r, tflops=1.0, ms=r["ms"] * 200)
+        for r in records
+        if r["system"] == "relgen" and r["mechanism"] == "t5" and r["seq_len"] == 1024
+    ]
+    t5 = next(line for line in report.markdown(slow).splitlines() if line.startswith("- t5: "))
+    assert t5.startswith("- t5: ✗ — behind at fwd 1K (") and "behind at bwd 1K" in t5
+    assert report._meets_mib(222.4, 222) and not report._meets_mib(223.5, 222)
+    assert report._meets_mib(3145.5, 3.1 * 1024) and not report._meets_mib(3290.2, 3.1 * 1024)
+
+
 def test_report_formatting():
     assert [report.fmt_tflops(x) for x in (279.4, 44.2, 7.14, 0.744, 0.0351)] == ["279", "44", "7.1", "0.74", "0.035"]
     assert [report.fmt_mib(x) for x in (222.0, 1228.8, 14336.0)] == ["222", "1.2K", "14K"]

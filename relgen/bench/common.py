@@ -23,6 +23,20 @@ HEAD_DIM = 64
 MECHANISMS: tuple[str, ...] = ("shaw", "txl", "deberta_v3", "t5")
 PASSES: tuple[str, ...] = ("fwd", "bwd")
 
+#: The paper's own kernels on an H200 at N = 8192, fp16 (its Tables 2 and 3): what relgen must at least match.
+#: (TFLOP/s, peak MiB) per pass; a MiB figure given as "3.1K" is written 3.1 * 1024 and met at that precision.
+TARGET_LENGTH = 8192
+TARGETS: dict[str, dict[str, tuple[float, float]]] = {
+    "shaw": {"fwd": (279, 222), "bwd": (166, 229)},
+    "txl": {"fwd": (236, 3.1 * 1024), "bwd": (133, 3.1 * 1024)},
+    "deberta_v3": {"fwd": (159, 804), "bwd": (101, 470)},
+    "t5": {"fwd": (307, 24), "bwd": (174, 97)},
+}
+#: From this length on, relgen must beat every exact peer in both passes.
+FASTEST_FROM = 512
+#: Stretch: these mechanisms' forward at TARGET_LENGTH at least this fraction of plain SDPA's speed.
+STRETCH_MECHANISMS, STRETCH_FRACTION = ("t5", "shaw"), 0.75
+
 #: Systems, in the order the report lists them. `relative` is False only for the plain-SDPA ceiling.
 SYSTEMS: dict[str, dict[str, Any]] = {
     "relgen": {"label": "relgen (ours)", "relative": True, "compiled": False},
