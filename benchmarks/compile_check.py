@@ -2,15 +2,17 @@
 
 Runs the call in Triton's interpreter to record each launch (kernel, argument types, constexprs, warps, stages),
 then compiles each recorded launch for the target in a fresh process (no interpreter) and prints registers,
-spills and shared memory. Compile errors the interpreter forgives (non-constexpr globals, unsupported syntax)
-show up here without spending GPU time.
+spills (Triton's bundled ptxas -v) and shared memory. Compile errors the interpreter forgives (non-constexpr
+globals, unsupported syntax) show up here without spending GPU time.
 
-    python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300]
+    python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
+        [--tiles backward.num_warps=8 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -30,13 +32,13 @@ TORCH_TYPES = {
 }
 
 
-def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
+def record(spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int, overrides: list[str]) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from triton.runtime import interpreter
 
     import relgen
-    from relgen import runtime
+    from relgen import runtime, tuning
 
     launches: list[dict] = []
     original = interpreter.InterpretedFunction.run
@@ -80,9 +82,18 @@ def record(spec_path: str, dtype: str, seq_len: int) -> list[dict]:
     interpreter.InterpretedFunction.run = run
     spec = relgen.load_spec(spec_path)
     torch_dtype = getattr(torch, DTYPES[dtype])
-    os.environ["TRITON_INTERPRET"] = "0"  # ask for the GPU tile configuration while still interpreting
-    cfg = runtime.default_config(torch_dtype, 64, seq_len)
-    os.environ["TRITON_INTERPRET"] = "1"
+    terms = tuple(relgen.compile_mechanism(spec).module.PLAN.terms)
+    # the configuration the GPU would run at `config_for` tokens: the committed table's entry for this
+    # architecture, else the resource heuristic (asked for while not interpreting)
+    cfg = tuning.table_config(str(arch), terms, torch_dtype, 64, config_for)
+    if cfg is None:
+        os.environ["TRITON_INTERPRET"] = "0"
+        cfg = runtime.default_config(torch_dtype, 64, config_for, terms)
+        os.environ["TRITON_INTERPRET"] = "1"
+    for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
+        (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])
+        cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **{name: value})})
+    print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
     rows = spec.map.num_rows(n)
     shape = (rows, 64) if spec.heads_share_tables else (2, rows, 64)
@@ -115,6 +126,33 @@ def memory_ops(ptx: str) -> str:
     return " ".join(f"{op.replace('.global', '')}:{n}" for op, n in sorted(counts.items()))
 
 
+def ptxas_usage(ptx: str, arch: int) -> str:
+    """Registers and spills by Triton's own ptxas (`-v`): what the driver would report, without a GPU."""
+    import re
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    ptxas = Path(nvidia.__file__).parent / "bin" / "ptxas"
+    if not ptxas.exists():
+        return "regs=? (no ptxas)"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    done = subprocess.run(
+        [str(ptxas), f"-arch={target}", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, check=False
+    )
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    if regs is None:
+        return f"regs=? (ptxas: {done.stderr.strip().splitlines()[-1:]})"
+    text = f"regs={regs.group(1)}"
+    if spills is not None:
+        text += f" spills={spills.group(1)}B stored/{spills.group(2)}B loaded"
+    return text
+
+
 def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
     import importlib.util
 
@@ -145,10 +183,9 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
             md = compiled.metadata
-            n_regs = getattr(compiled, "n_regs", None)
             print(
                 f"ok   {launch['kernel']:28s} warps={opts['num_warps']} stages={opts['num_stages']} "
-                f"shared={md.shared:6d}B regs={n_regs} spills={getattr(compiled, 'n_spills', None)}"
+                f"shared={md.shared:6d}B {ptxas_usage(compiled.asm['ptx'], arch)}"
             )
             if show_memory_ops:
                 print(f"     {memory_ops(compiled.asm['ptx'])}")
@@ -171,14 +208,23 @@ def main() -> int:
     parser.add_argument("spec")
     parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--seq-len", type=int, default=300)
+    parser.add_argument("--seq-len", type=int, default=300, help="length of the recorded (interpreted) call")
+    parser.add_argument(
+        "--config-for",
+        type=int,
+        default=None,
+        help="compile the tiles a GPU uses at this length (default: --seq-len)",
+    )
+    parser.add_argument(
+        "--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="change the tiles, e.g. backward.num_warps=8"
+    )
     parser.add_argument("--memory-ops", action="store_true", help="count global loads/stores by width in the PTX")
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
         with open(args.compile_from) as f:
             return 1 if compile_all(json.load(f), args.arch, args.memory_ops) else 0
-    launches = record(args.spec, args.dtype, args.seq_len)
+    launches = record(args.spec, args.dtype, args.seq_len, args.arch, args.config_for or args.seq_len, args.tiles)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

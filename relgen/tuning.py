@@ -39,10 +39,15 @@ def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: i
     """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
     if not torch.cuda.is_available():
         return None
+    major, minor = _capability()
+    return table_config(f"{major}{minor}", terms, dtype, head_dim, seq_len)
+
+
+def table_config(capability: str, terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
+    """The committed entry of compute capability `capability` (e.g. "90") as a KernelConfig, or None."""
     from relgen.config import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
-    major, minor = _capability()
-    entry = _table(f"{major}{minor}").get(table_key(terms, dtype, head_dim, seq_len))
+    entry = _table(capability).get(table_key(terms, dtype, head_dim, seq_len))
     if entry is None:
         return None
     return KernelConfig(
