@@ -6,7 +6,7 @@ spills (Triton's bundled ptxas -v) and shared memory. Compile errors the interpr
 globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
-        [--tiles backward.num_warps=8 ...]
+        [--tiles backward.num_warps=8 backward_kv.block_m=32 ...]
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def record(spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int,
         os.environ["TRITON_INTERPRET"] = "1"
     for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
         (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])
-        cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **{name: value})})
+        current = getattr(cfg, part) or cfg.backward  # backward_kv starts as the query pass's tiles
+        cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(current, **{name: value})})
     print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
     rows = spec.map.num_rows(n)

@@ -1536,6 +1536,11 @@ def _strides(t):
     return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
 
 
+def _tiles(t):
+    """A pass's tile sizes and launch shape (the two backward passes may differ: KernelConfig.key_pass)."""
+    return dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+
+
 def _sizes(geo):
     """Scalars every kernel reads to locate a sequence (packed or not)."""
     return geo.heads, geo.nq, geo.nk, geo.total
@@ -1788,8 +1793,6 @@ def _backward(do, saved, geo, cfg):
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(
         HEAD_DIM=geo.head_dim,
-        BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n,
         GROUP=geo.group,
         CAUSAL=False,
         HAS_KPM=kpm is not None,
@@ -1797,8 +1800,6 @@ def _backward(do, saved, geo, cfg):
         VARLEN=geo.varlen,
         PREC=geo.prec,
         REUSE=geo.reuse,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
     )
 
     # query-parallel pass, then its reduction (dQ += dZ̃^Q·Ã^Q, dÃ^Q, db̃)
@@ -1829,6 +1830,7 @@ def _backward(do, saved, geo, cfg):
         geo.qk_scale,
         geo.scale,
         **meta,
+        **_tiles(c),
     )
     daq = dbias = dak = None
     dt, db = _reduce(dq_part, dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=False, want_bias=True)
@@ -1843,7 +1845,8 @@ def _backward(do, saved, geo, cfg):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dk_part = torch.empty(k.shape, device=k.device, dtype=torch.float32) if False else dk
-    _attn_bwd_kv_kernel[(_rt.cdiv(geo.nk, c.block_n), geo.batch * geo.heads)](
+    ck = cfg.key_pass
+    _attn_bwd_kv_kernel[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.heads)](
         q,
         k,
         v,
@@ -1869,6 +1872,7 @@ def _backward(do, saved, geo, cfg):
         geo.qk_scale,
         geo.scale,
         **meta,
+        **_tiles(ck),
     )
     return dq, dk, dv, daq, dak, dbias
 

@@ -50,9 +50,14 @@ class ReduceTiles:
 class KernelConfig:
     group: int
     forward: AttnTiles
-    backward: AttnTiles
+    backward: AttnTiles  # the query-parallel pass (and the preprocessing)
     project: ProjectTiles
     reduce: ReduceTiles
+    backward_kv: AttnTiles | None = None  # the key-parallel pass, when its registers want other tiles
+
+    @property
+    def key_pass(self) -> AttnTiles:
+        return self.backward_kv or self.backward
 
     def check(self) -> None:
         tiles = (
@@ -60,6 +65,8 @@ class KernelConfig:
             self.forward.block_n,
             self.backward.block_m,
             self.backward.block_n,
+            self.key_pass.block_m,
+            self.key_pass.block_n,
             self.project.block_t,
             self.reduce.block_t,
         )
@@ -68,13 +75,15 @@ class KernelConfig:
             raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
 
 
-#: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups.
+#: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups
+#: (the two backward passes differ too, so neither may assume the other's tiles).
 INTERPRETER_CONFIG = KernelConfig(
     group=32,
     forward=AttnTiles(32, 16),
     backward=AttnTiles(16, 32),
     project=ProjectTiles(16, 32),
     reduce=ReduceTiles(16, 32, 16),
+    backward_kv=AttnTiles(32, 16),
 )
 
 _override: list[KernelConfig] = []

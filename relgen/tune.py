@@ -6,8 +6,9 @@ backward separately, each with `triton.testing.do_bench` (median):
 
 1. forward tiles (FORWARD_TILES, plus the heuristic's own), with the heuristic's projection tiles;
 2. projection tiles (PROJECT_TILES) with the best forward tiles;
-3. backward tiles (BACKWARD_TILES, plus the heuristic's), with the heuristic's reduction tiles;
-4. reduction tiles (REDUCE_TILES) with the best backward tiles.
+3. backward tiles (BACKWARD_TILES, plus the heuristic's) for both passes, with the heuristic's reduction tiles;
+4. the key-parallel pass's own tiles (BACKWARD_TILES), the query pass's kept from step 3;
+5. reduction tiles (REDUCE_TILES) with the best backward tiles.
 
 The group size stays 128 (the analyzer plans with it). Forward and backward winners are picked independently
 (the backward only depends on the group, which all candidates share). A candidate that fails to compile, runs
@@ -160,6 +161,14 @@ def backward_candidates(base):
     return [replace(base, backward=t) for t in tiles]
 
 
+def key_pass_candidates(base):
+    """The key-parallel pass on its own tiles, the query pass's kept (the passes spill differently)."""
+    from relgen.runtime import AttnTiles
+
+    tiles = _unique([base.key_pass, *(AttnTiles(*t) for t in BACKWARD_TILES)])
+    return [replace(base, backward_kv=None if t == base.backward else t) for t in tiles]
+
+
 def reduce_candidates(base):
     from relgen.runtime import ReduceTiles
 
@@ -178,7 +187,9 @@ def forward_label(cfg) -> str:
 
 def backward_label(cfg) -> str:
     r = cfg.reduce
-    return f"bwd {_attn_label(cfg.backward)} | red {r.block_t}x{r.block_w}x{r.block_s} w{r.num_warps} s{r.num_stages}"
+    kv = f" / kv {_attn_label(cfg.backward_kv)}" if cfg.backward_kv is not None else ""
+    reduce = f"red {r.block_t}x{r.block_w}x{r.block_s} w{r.num_warps} s{r.num_stages}"
+    return f"bwd {_attn_label(cfg.backward)}{kv} | {reduce}"
 
 
 def config_entry(cfg) -> dict[str, Any]:
@@ -189,6 +200,7 @@ def config_entry(cfg) -> dict[str, Any]:
         "backward": asdict(cfg.backward),
         "project": asdict(cfg.project),
         "reduce": asdict(cfg.reduce),
+        **({"backward_kv": asdict(cfg.backward_kv)} if cfg.backward_kv is not None else {}),
     }
 
 
@@ -388,13 +400,14 @@ class Tuner:
             best, _ = self.measure(problems, backward_candidates(base), "backward", backward_label, bwd)
             if best is None:
                 return None
+            best, _ = self.measure(problems, key_pass_candidates(best), "backward", backward_label, bwd)
             best_bwd, bwd_ms = self.measure(problems, reduce_candidates(best), "backward", backward_label, bwd)
         finally:
             del problems
             self._free()
         if best_fwd is None or best_bwd is None:
             return None
-        chosen = replace(best_fwd, backward=best_bwd.backward, reduce=best_bwd.reduce)
+        chosen = replace(best_fwd, backward=best_bwd.backward, backward_kv=best_bwd.backward_kv, reduce=best_bwd.reduce)
         chosen.check()
         base_fwd, base_bwd = fwd.get(forward_label(base)), bwd.get(backward_label(base))
         timings = {

@@ -56,4 +56,5 @@ def table_config(capability: str, terms: tuple[str, ...], dtype: torch.dtype, he
         backward=AttnTiles(**entry["backward"]),
         project=ProjectTiles(**entry["project"]),
         reduce=ReduceTiles(**entry["reduce"]),
+        backward_kv=AttnTiles(**entry["backward_kv"]) if entry.get("backward_kv") else None,
     )

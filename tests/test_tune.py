@@ -5,6 +5,7 @@ everything else: the candidates, override_config, the sanity check, skipped cand
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -85,6 +86,15 @@ def test_write_entry_merges_and_lookup_reads_it(fake_gpu):
     assert tuning.lookup(("bias",), torch.float16, 64, 64) == CONFIG
 
 
+def test_key_pass_tiles_round_trip_through_the_table():
+    split = dataclasses.replace(CONFIG, backward_kv=AttnTiles(32, 64, 8, 2))
+    assert split.key_pass == AttnTiles(32, 64, 8, 2) and CONFIG.key_pass == CONFIG.backward
+    entry = tune.config_entry(split)
+    assert entry["backward_kv"] == {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 2}
+    assert "backward_kv" not in tune.config_entry(CONFIG)
+    assert "/ kv 32x64 w8 s2 |" in tune.backward_label(split)
+
+
 def test_candidates_fit_the_group():
     from relgen.runtime import default_config
 
@@ -93,7 +103,13 @@ def test_candidates_fit_the_group():
         base = KernelConfig(
             tune.GROUP, AttnTiles(128, 64), AttnTiles(64, 64), ProjectTiles(64, 64), ReduceTiles(64, 64, 64)
         )
-    stages = (tune.forward_candidates, tune.project_candidates, tune.backward_candidates, tune.reduce_candidates)
+    stages = (
+        tune.forward_candidates,
+        tune.project_candidates,
+        tune.backward_candidates,
+        tune.key_pass_candidates,
+        tune.reduce_candidates,
+    )
     for stage in stages:
         candidates = stage(base)
         assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 6
@@ -131,7 +147,14 @@ def test_tuner_picks_the_fastest_and_records_skips(small_tuner):
     for record, chosen in ((forward, timings["chosen"]["forward"]), (backward, timings["chosen"]["backward"])):
         measured = {k: v for k, v in record.items() if isinstance(v, float)}
         assert chosen == min(measured, key=measured.get)
-    assert entry["group"] == 128 and set(entry) == {"group", "forward", "backward", "project", "reduce"}
+    assert entry["group"] == 128 and set(entry) - {"backward_kv"} == {
+        "group",
+        "forward",
+        "backward",
+        "project",
+        "reduce",
+    }
+    assert any(" / kv " in label for label in backward)  # the key pass was tried on its own tiles
     assert timings["batch"] == 1 and timings["heads"] == 2 and timings["specs"] == ["t5"]
 
 
