@@ -503,7 +503,7 @@ def test_report_from_synthetic_records(tmp_path):
     assert "oom" in md and "err" in md and "†" in md
     assert "### txl (R=255 at 128 … 16383 at 8K)" in md  # TXL's rows grow with N
     assert "NVIDIA H200" in md and "SM clock 1980–1980 MHz" in md
-    assert "relgen vs. fastest peer" in md
+    assert "relgen vs. fastest exact peer" in md
     assert "boom / bad" in md  # pipes in messages cannot break the table
     relgen_row = next(line for line in md.splitlines() if line.startswith("| relgen (ours) |"))
     assert relgen_row.count("|") == 16

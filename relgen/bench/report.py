@@ -127,7 +127,7 @@ def _table(
                 cells.append(_cell(index.get((system, pass_, n)), field, bests[(pass_, n)], fmt))
         lines.append("| " + " | ".join(cells) + " |")
     if field == "tflops" and "relgen" in systems and len(systems) > 1:
-        cells = ["relgen vs. fastest peer"]
+        cells = ["relgen vs. fastest exact peer"]
         for pass_ in passes:
             for n in lens:
                 cells.append(_speedup(index, pass_, n))
@@ -137,7 +137,11 @@ def _table(
 
 def _speedup(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> str:
     ours = index.get(("relgen", pass_, n))
-    peers = [r["tflops"] for (s, p, m), r in index.items() if s != "relgen" and (p, m) == (pass_, n) and _counts(r)]
+    peers = [
+        r["tflops"]
+        for (s, p, m), r in index.items()
+        if s != "relgen" and (p, m) == (pass_, n) and _counts(r) and r.get("exact") is not False
+    ]
     if ours is None or ours.get("status") != "ok" or not peers:
         return "–"
     return f"{ours['tflops'] / max(peers):.2g}×"
