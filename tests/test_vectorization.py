@@ -34,6 +34,8 @@ def memory_ops(spec: str, seq_len: int) -> dict[str, list[str]]:
         match = re.match(r"ok\s+(\w+)", line)
         if match:
             kernel = match.group(1)
+            usage = re.search(r"regs=(\d+) spills=(\d+)B", line)  # ptxas -v: registers, spill-store bytes
+            ops.setdefault(kernel + " usage", []).append(f"{usage.group(1)} {usage.group(2)}" if usage else line)
         elif kernel and line.startswith("     "):
             ops.setdefault(kernel, []).append(line.strip())
     return ops
@@ -52,3 +54,8 @@ def test_streaming_kernels_use_vector_accesses():
         assert count(launch, "st.v4.b32") >= 8 and count(launch, "st.b16") <= 4, launch
     for launch in ops["_reduce_tokens_kernel"] + ops["_reduce_table_kernel"]:  # windows start at 0 here: aligned
         assert count(launch, "ld.b16") == 0, launch
+    # the streaming kernels hold one tile at a time: no spills (the attention passes are another matter, NOTES.md)
+    for name in ("_project_kernel", "_reduce_tokens_kernel", "_reduce_table_kernel"):
+        for usage in ops[f"{name} usage"]:
+            regs, spilled = (int(x) for x in usage.split())
+            assert regs <= 255 and spilled == 0, (name, usage)
