@@ -251,12 +251,12 @@ class Geometry:
     # device tensors ---------------------------------------------------------------------------------------
     def copy_map_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """β on the device; kept across calls (building it anew would copy from the host every call)."""
-        return self._device_constant(("beta", dtype), device, lambda: self.copy_beta or list(range(self.c)))
+        return self._device_constant("beta", dtype, device, lambda: self.copy_beta or list(range(self.c)))
 
     def fold_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(first column, count) of each row's run of copies, on the device."""
-        first = self._device_constant(("fold first", torch.int32), device, lambda: [f for f, _ in self.fold])
-        count = self._device_constant(("fold count", torch.int32), device, lambda: [n for _, n in self.fold])
+        first = self._device_constant("fold first", torch.int32, device, lambda: [f for f, _ in self.fold])
+        count = self._device_constant("fold count", torch.int32, device, lambda: [n for _, n in self.fold])
         return first, count
 
     def expand(self, aq, ak, bias) -> Expanded:
@@ -280,13 +280,13 @@ class Geometry:
             ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
         )
 
-    def _device_constant(self, what: tuple, device: torch.device, values) -> torch.Tensor:
-        """A small index tensor of the plan, built once per (what, C, device) and reused by every later call
-        (what names the tensor and its dtype; C varies with the length only for identity maps)."""
-        key = (*what, self.c, str(device))
+    def _device_constant(self, name: str, dtype: torch.dtype, device: torch.device, values) -> torch.Tensor:
+        """A small index tensor of the plan, built once per (name, dtype, C, device) and reused by every later
+        call (C varies with the length only for identity maps)."""
+        key = (name, dtype, self.c, str(device))
         table = self.plan.constants
         if key not in table:
-            table[key] = torch.tensor(values(), dtype=what[-1], device=device).contiguous()
+            table[key] = torch.tensor(values(), dtype=dtype, device=device).contiguous()
         return table[key]
 
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:

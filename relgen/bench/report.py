@@ -135,13 +135,18 @@ def _table(
     return lines
 
 
-def _speedup(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> str:
-    ours = index.get(("relgen", pass_, n))
-    peers = [
-        r["tflops"]
+def _peers(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> dict[str, dict[str, Any]]:
+    """The peers measured at (pass, N) with relative terms that did not fail the FP32 check, by system."""
+    return {
+        s: r
         for (s, p, m), r in index.items()
         if s != "relgen" and (p, m) == (pass_, n) and _counts(r) and r.get("exact") is not False
-    ]
+    }
+
+
+def _speedup(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> str:
+    ours = index.get(("relgen", pass_, n))
+    peers = [r["tflops"] for r in _peers(index, pass_, n).values()]
     if ours is None or ours.get("status") != "ok" or not peers:
         return "–"
     return f"{ours['tflops'] / max(peers):.2g}×"
@@ -185,11 +190,7 @@ def _fastest_line(mechanism: str, index: dict[tuple, dict[str, Any]]) -> str:
             if not _exact_ok(ours):
                 unjudged.append(f"{pass_} {fmt_n(n)}")
                 continue
-            peers = [
-                (r["ms"], s)
-                for (s, p, m), r in index.items()
-                if s != "relgen" and (p, m) == (pass_, n) and _counts(r) and r.get("exact") is True
-            ]
+            peers = [(r["ms"], s) for s, r in _peers(index, pass_, n).items() if r.get("exact") is True]
             if peers and min(peers)[0] < ours["ms"]:
                 ms, peer = min(peers)
                 behind.append(f"{pass_} {fmt_n(n)} ({system_label(peer)} {ms:.3g} ms vs {ours['ms']:.3g} ms)")
