@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_session.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
 #                                                                tests/test_features.py on the GPU's kernels)
 #   bash benchmarks/h200_session.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
+#                                                                (TUNE_S: seconds of tuning, default 130)
 #   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
 #                                                                .bench_state/attention.json when present;
 #                                                                WARM_S=S first compiles in parallel for S s;
@@ -35,14 +36,16 @@ if [ "$phase" = verify ]; then
     tail -5 "$out/gpu_tests.log"
 elif [ "$phase" = tune ]; then
     lengths=${3:-"512 2048 8192"}
-    for s in "${specs[@]}"; do  # compile every tuning candidate and profiled kernel (timings discarded)
-        (timeout 240 python3 -m relgen tune "specs/$s.yaml" --seq-lens $lengths --out "/tmp/warm_$s.json" \
+    for s in "${specs[@]}"; do  # compile every tuning candidate and profiled kernel (timings discarded; N is a
+        # runtime argument, so two lengths compile what every bucket runs)
+        (timeout 240 python3 -m relgen tune "specs/$s.yaml" --seq-lens 512 8192 --out "/tmp/warm_$s.json" \
             > "/tmp/warm_tune_$s.log" 2>&1
          timeout 60 python3 benchmarks/profile_kernels.py --specs "$s" --seq-lens 1024,8192 \
             > "/tmp/warm_profile_$s.log" 2>&1) &
     done
     wait
-    timeout 150 python3 -m relgen tune $(printf 'specs/%s.yaml ' "${specs[@]}") --seq-lens $lengths --budget-s 130 \
+    timeout $((${TUNE_S:-130} + 20)) python3 -m relgen tune $(printf 'specs/%s.yaml ' "${specs[@]}") \
+        --seq-lens $lengths --budget-s "${TUNE_S:-130}" \
         > "$out/tune.log" 2>&1
     echo "tune exit $?" >> "$out/tune.log"
     cp relgen/tuning_tables/sm90.json "$out/sm90.json" 2>/dev/null

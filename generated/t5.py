@@ -52,6 +52,9 @@ PLAN = _rt.PlanInfo(
 SAT_HIGH = tl.constexpr(0)  # every offset ≥ U: one entry per query and per key, broadcast
 BAND = tl.constexpr(1)  # per-score gather at column s(δ)
 SAT_LOW = tl.constexpr(2)  # every offset ≤ L
+# rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
+# parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
+ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -277,7 +280,7 @@ def _project_kernel(
     LOW,
     C,
     W,
-    ZS,
+    ZS_A,
     cols_per_program,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -291,6 +294,7 @@ def _project_kernel(
 ):
     """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
     The entries at the end columns C − 1 and 0 also go to the compact buffer ENDS [token, 2] (0 if unreached)."""
+    ZS = ZS_A * ROW_ALIGN
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     tok0, nq, nk, row_q, row_k = _sequence(pid_bh, H, CU, Nq, Nk, TOTAL, VARLEN)
@@ -303,8 +307,8 @@ def _project_kernel(
     X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
     x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None])
     z_rows = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS
-    # stores run up to the padded row stride ZS (a multiple of 16, like cols_per_program), so their mask is
-    # constant over 16 columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
+    # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
+    # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     col_end = tl.minimum((pid_w + 1) * cols_per_program, ZS)
     end_rows = ENDS + (row0.to(tl.int64) + offs_t) * 2
     hi_col = C - 1 - start  # the end columns' places in this group's window
@@ -444,7 +448,7 @@ def _fwd_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A"])
 def _attn_fwd_kernel(
     Q,
     K,
@@ -484,8 +488,8 @@ def _attn_fwd_kernel(
     C,
     WQ,
     WK,
-    ZSQ,
-    ZSK,
+    ZSQ_A,
+    ZSK_A,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -498,6 +502,7 @@ def _attn_fwd_kernel(
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
 ):
+    ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
@@ -759,7 +764,7 @@ def _bwd_q_range(
     return dq, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK", "WDZ"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "WDZ_A"])
 def _attn_bwd_q_kernel(
     Q,
     K,
@@ -806,9 +811,9 @@ def _attn_bwd_q_kernel(
     C,
     WQ,
     WK,
-    ZSQ,
-    ZSK,
-    WDZ,
+    ZSQ_A,
+    ZSK_A,
+    WDZ_A,
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
@@ -823,6 +828,7 @@ def _attn_bwd_q_kernel(
     REUSE: tl.constexpr,
 ):
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
+    ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
@@ -1124,7 +1130,7 @@ def _bwd_kv_range(
     return dk, dv, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ", "ZSK", "WDZ"])
+@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "WDZ_A"])
 def _attn_bwd_kv_kernel(
     Q,
     K,
@@ -1175,9 +1181,9 @@ def _attn_bwd_kv_kernel(
     C,
     WQ,
     WK,
-    ZSQ,
-    ZSK,
-    WDZ,
+    ZSQ_A,
+    ZSK_A,
+    WDZ_A,
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
@@ -1192,6 +1198,7 @@ def _attn_bwd_kv_kernel(
     REUSE: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes."""
+    ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
@@ -1365,7 +1372,6 @@ def _attn_bwd_kv_kernel(
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _reduce_tokens_kernel(
-    DX_PART,
     DZ,
     TABLE,
     DX,
@@ -1382,7 +1388,7 @@ def _reduce_tokens_kernel(
     LOW,
     C,
     W,
-    WDZ,
+    WDZ_A,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -1392,8 +1398,9 @@ def _reduce_tokens_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """dX_t = (direct part) + Σ_w dZ̃[t, w] · Ã[start + w]: the token's own window only.
-    DX_PART has DX's shape and strides (fp32)."""
+    """dX_t += Σ_w dZ̃[t, w] · Ã[start + w] over the token's own window, in place: DX holds the pass's direct
+    part, in the inputs' dtype (an fp32 partial would cost B·H·N·d·4 bytes at the backward's peak)."""
+    WDZ = WDZ_A * ROW_ALIGN
     pid_t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     tok0, nq, nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
@@ -1404,7 +1411,7 @@ def _reduce_tokens_kernel(
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     x_rows = b * sdx_b + h * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
-    acc = tl.load(DX_PART + x_rows, mask=t_ok[:, None], other=0.0)
+    acc = tl.load(DX + x_rows, mask=t_ok[:, None], other=0.0).to(tl.float32)
     dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
     # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
     for w0 in range(0, WDZ, BLOCK_W):
@@ -1438,7 +1445,7 @@ def _reduce_table_kernel(
     LOW,
     C,
     W,
-    WDZ,
+    WDZ_A,
     items_per_chunk,
     n_items,
     HEAD_DIM: tl.constexpr,
@@ -1456,6 +1463,7 @@ def _reduce_table_kernel(
 ):
     """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
     Chunks are summed afterwards in a fixed order, so no atomics are needed."""
+    WDZ = WDZ_A * ROW_ALIGN
     pid_s, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s_lo = pid_s * BLOCK_S
     offs_s = s_lo + tl.arange(0, BLOCK_S)
@@ -1550,8 +1558,7 @@ def _project(x, table, bias, geo, cfg, query_side):
     """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table, and its end
     columns [token rows, 2] (see _ends)."""
     ntok, width = (geo.nq, geo.wq) if query_side else (geo.nk, geo.wk)
-    stride = geo.row_stride(width)  # rows start 32-byte aligned: vector stores and loads
-    z = torch.empty((geo.token_rows(query_side), stride), device=x.device, dtype=geo.z_dtype)
+    z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=x.device, dtype=geo.z_dtype)
     ends = torch.empty((geo.token_rows(query_side), 2), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
     token_programs = _rt.cdiv(ntok, c.block_t) * geo.batch * geo.heads
@@ -1573,7 +1580,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         geo.low,
         geo.c,
         width,
-        stride,
+        geo.row_units(width),
         cols,
         HEAD_DIM=geo.head_dim,
         BLOCK_T=c.block_t,
@@ -1607,8 +1614,8 @@ def _scalar_args(geo):
         geo.c,
         geo.wq,
         geo.wk,
-        geo.row_stride(geo.wq),
-        geo.row_stride(geo.wk),
+        geo.row_units(geo.wq),
+        geo.row_units(geo.wk),
     )
 
 
@@ -1657,8 +1664,8 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     return o, lse2
 
 
-def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
-    """dX += dZ̃·Ã (tokens), and dÃ, db̃ by chunk partials summed in a fixed order (columns)."""
+def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
+    """dX += dZ̃·Ã (tokens, in place), and dÃ, db̃ by chunk partials summed in a fixed order (columns)."""
     ntok = geo.nq if query_side else geo.nk
     red = geo.reduction(query_side)
     c = cfg.reduce
@@ -1667,7 +1674,6 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
     if want_table:
         grid = (_rt.cdiv(ntok, c.block_t), geo.batch * geo.heads)
         _reduce_tokens_kernel[grid](
-            dx_part,
             dz,
             table,
             dx,
@@ -1679,7 +1685,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
             red.low,
             red.columns,
             red.width,
-            red.stride,
+            red.stride_units,
             HEAD_DIM=geo.head_dim,
             BLOCK_T=c.block_t,
             BLOCK_W=c.block_w,
@@ -1710,7 +1716,7 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         red.low,
         red.columns,
         red.width,
-        red.stride,
+        red.stride_units,
         per_chunk,
         items,
         HEAD_DIM=geo.head_dim,
@@ -1728,7 +1734,11 @@ def _reduce(dx_part, dz, x, table, dx, geo, cfg, query_side, want_table, want_bi
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
-    return (dt_part.sum(0) if want_table else None), (db_part.sum(0) if want_bias else None)
+
+    def total(part):  # one chunk: the partial is the sum (no copy at the backward's peak)
+        return part[0] if chunks == 1 else part.sum(0)
+
+    return (total(dt_part) if want_table else None), (total(db_part) if want_bias else None)
 
 
 def _fold(dt, db, table_like, bias_like, geo):
@@ -1804,7 +1814,6 @@ def _backward(do, saved, geo, cfg):
 
     # query-parallel pass, then its reduction (dQ += dZ̃^Q·Ã^Q, dÃ^Q, db̃)
     dq = torch.empty_like(q)
-    dq_part = torch.empty(q.shape, device=q.device, dtype=torch.float32) if False else dq
     dzq = dz.query_view() if True else dummy
     _attn_bwd_q_kernel[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         q,
@@ -1814,7 +1823,7 @@ def _backward(do, saved, geo, cfg):
         lse2,
         delta,
         *common,
-        dq_part,
+        dq,
         dzq,
         copy_map,
         cu,
@@ -1824,27 +1833,26 @@ def _backward(do, saved, geo, cfg):
         *_strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dq_part),
+        *_strides(dq),
         *_scalar_args(geo),
-        dz.width(True),
+        dz.units(True),
         geo.qk_scale,
         geo.scale,
         **meta,
         **_tiles(c),
     )
     daq = dbias = dak = None
-    dt, db = _reduce(dq_part, dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=False, want_bias=True)
+    dt, db = _reduce(dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=False, want_bias=True)
     daq, dbias = _fold(dt, db, aq, bias, geo)
-    key_width = dz.width(False)
+    key_units = dz.units(False)
     dzk = dz.key_view() if False else dummy
     # release what only the query pass needed (the dZ̃ buffer too, unless the key pass reuses it) before dK and dV
     # exist: the backward's peak memory is the larger pass, not both
-    del dq_part, dzq, dz
+    del dzq, dz
 
     # key-parallel pass, then its reduction (dK += dZ̃^K·Ã^K, dÃ^K)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dk_part = torch.empty(k.shape, device=k.device, dtype=torch.float32) if False else dk
     ck = cfg.key_pass
     _attn_bwd_kv_kernel[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.heads)](
         q,
@@ -1854,7 +1862,7 @@ def _backward(do, saved, geo, cfg):
         lse2,
         delta,
         *common,
-        dk_part,
+        dk,
         dv,
         dzk,
         copy_map,
@@ -1865,10 +1873,10 @@ def _backward(do, saved, geo, cfg):
         *_strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dk_part),
+        *_strides(dk),
         *_strides(dv),
         *_scalar_args(geo),
-        key_width,
+        key_units,
         geo.qk_scale,
         geo.scale,
         **meta,

@@ -13,6 +13,9 @@ import torch
 from relgen.config import KernelConfig
 
 LOG2E = 1.4426950408889634
+#: Rows of the per-token buffers (Z̃, dZ̃) start at multiples of this many elements (16 bytes in fp16). Kernels
+#: receive those row strides in units of it, so that the compiler can prove the alignment and vectorize.
+ROW_ALIGN = 8
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -66,6 +69,11 @@ class Reduction:
     prec: str
     aligned: bool  # every window starts on a multiple of 16 columns (the kernels may then load dZ̃ vector-wide)
 
+    @property
+    def stride_units(self) -> int:
+        """The row stride in units of ROW_ALIGN, as the kernels take it."""
+        return self.stride // ROW_ALIGN
+
 
 @dataclass(frozen=True)
 class Expanded:
@@ -83,15 +91,17 @@ class GradientBuffer:
         self.geo = geo
         atomic = geo.path == "atomic"
         self.dtype = torch.float32 if atomic else geo.dtype
-        wq, wk = (geo.rows, geo.rows) if atomic else (geo.row_stride(geo.wq), geo.row_stride(geo.wk))
+        wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
+        wq, wk = geo.row_stride(wq), geo.row_stride(wk)
         self.widths = (wq, wk)
         size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
         self.storage = torch.empty(size, device=device, dtype=self.dtype)
         if os.environ.get("RELGEN_POISON_BUFFERS"):  # tests: an entry that no kernel writes shows up as NaN
             self.storage.fill_(float("nan"))
 
-    def width(self, query_side: bool) -> int:
-        return self.widths[0 if query_side else 1]
+    def units(self, query_side: bool) -> int:
+        """A side's row stride in units of ROW_ALIGN, as the kernels take it."""
+        return self.widths[0 if query_side else 1] // ROW_ALIGN
 
     def _view(self, rows: int, width: int) -> torch.Tensor:
         view = self.storage[: rows * width].view(rows, width)
@@ -173,8 +183,13 @@ class Geometry:
 
     @staticmethod
     def row_stride(width: int) -> int:
-        """Row stride of the per-token buffers: the window width rounded up to 16 elements (32-byte rows)."""
-        return -(-width // 16) * 16
+        """Row stride of the per-token buffers: the window width rounded up to ROW_ALIGN elements."""
+        return -(-width // ROW_ALIGN) * ROW_ALIGN
+
+    @staticmethod
+    def row_units(width: int) -> int:
+        """The row stride as the kernels receive it: in units of ROW_ALIGN elements."""
+        return Geometry.row_stride(width) // ROW_ALIGN
 
     def token_rows(self, query_side: bool) -> int:
         """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""
@@ -221,8 +236,9 @@ class Geometry:
     def reduction(self, query_side: bool) -> Reduction:
         if self.path == "atomic":  # W = C = R: every window starts at row 0
             r = self.rows
+            stride = self.row_stride(r)
             return Reduction(
-                columns=r, width=r, stride=r, doff=self.doff, low=self.low, fp32=True, prec="ieee", aligned=True
+                columns=r, width=r, stride=stride, doff=self.doff, low=self.low, fp32=True, prec="ieee", aligned=True
             )
         width = self.wq if query_side else self.wk
         fp32 = self.dtype == torch.float32

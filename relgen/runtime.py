@@ -36,12 +36,13 @@ from relgen.config import (
     select_config,
     table_chunks,
 )
-from relgen.geometry import Geometry, PlanInfo
+from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
 from relgen.spec import MechanismSpec, load_spec
 
 __all__ = [
     "ABLATIONS",
     "INTERPRETER_CONFIG",
+    "ROW_ALIGN",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "AttnTiles",

@@ -529,8 +529,9 @@ def test_targets_section_judges_the_records():
     ]
     t5 = next(line for line in report.markdown(slow).splitlines() if line.startswith("- t5: "))
     assert t5.startswith("- t5: ✗ — behind at fwd 1K (") and "behind at bwd 1K" in t5
-    assert report._meets_mib(222.4, 222) and not report._meets_mib(223.5, 222)
-    assert report._meets_mib(3145.5, 3.1 * 1024) and not report._meets_mib(3290.2, 3.1 * 1024)
+    assert report._meets_mib(222.9, 222) and not report._meets_mib(223.0, 222)
+    assert report._meets_mib(24.75, 24) and not report._meets_mib(25.5, 24)
+    assert report._meets_mib(3194.0, 3.1 * 1024) and not report._meets_mib(3290.2, 3.1 * 1024)
 
 
 def test_report_formatting():

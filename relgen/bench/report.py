@@ -154,9 +154,13 @@ def _speedup(index: dict[tuple, dict[str, Any]], pass_: str, n: int) -> str:
 
 # -- targets ----------------------------------------------------------------------------------------------------
 def _meets_mib(measured: float, target: float) -> bool:
-    """At the precision the target is stated in: 222 is met up to 222.5, "3.1K" up to 3.15K."""
-    half_unit = 0.05 * 1024 if target >= 1024 else 0.5
-    return measured <= target + half_unit
+    """At the precision the paper prints its figures in, which truncates: "24" is anything below 25 MiB, "3.1K"
+    anything below 3.2K. The evidence is its T5 forward, 24 MiB for every system at both 128 and 8K tokens,
+    where the output alone is 24 MiB and any training forward also keeps an fp32 log-sum-exp (0.75 MiB); and its
+    DeBERTa forward at 128 tokens, 216 MiB, which only the sum with that log-sum-exp gives (216.0; 215.25
+    without)."""
+    unit = 0.1 * 1024 if target >= 1024 else 1.0
+    return measured < target + unit
 
 
 def _mark(ok: bool) -> str:
@@ -208,7 +212,8 @@ def targets_markdown(records: list[dict[str, Any]]) -> list[str]:
         "",
         f"## Targets (the paper's kernels on an H200, fp16, N = {n})",
         "",
-        "relgen's figure (the target) per pass: ✓ met, ✗ not met, – no exact relgen record.",
+        "relgen's figure (the target) per pass: ✓ met, ✗ not met, – no exact relgen record. Memory is judged at"
+        " the precision the paper prints, which truncates (24 MiB: below 25; 3.1K: below 3.2K).",
         "",
         "| Mechanism | F TFLOP/s | B TFLOP/s | F MiB | B MiB |",
         "|---|---|---|---|---|",
