@@ -7,8 +7,9 @@ backward separately, each with `triton.testing.do_bench` (median):
 1. forward tiles (FORWARD_TILES, plus the heuristic's own), with the heuristic's projection tiles;
 2. projection tiles (PROJECT_TILES) with the best forward tiles;
 3. backward tiles (BACKWARD_TILES, plus the heuristic's) for both passes, with the heuristic's reduction tiles;
-4. the key-parallel pass's own tiles (BACKWARD_TILES), the query pass's kept from step 3;
-5. reduction tiles (REDUCE_TILES) with the best backward tiles.
+4. the key-parallel pass's own tiles (KEY_PASS_TILES), the query pass's kept from step 3;
+5. the query-parallel pass's tiles (BACKWARD_TILES) again, the key pass's kept from step 4;
+6. reduction tiles (REDUCE_TILES) with the best backward tiles.
 
 The group size stays 128 (the analyzer plans with it). Forward and backward winners are picked independently
 (the backward only depends on the group, which all candidates share). A candidate that fails to compile, runs
@@ -50,6 +51,9 @@ GROUP = 128
 FORWARD_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2))
 #: 64x64 with 8 warps: the passes spill at 64x64 with 4 warps (ptxas, benchmarks/compile_check.py); 64x128 never won.
 BACKWARD_TILES = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2))
+#: The key pass on its own: 32 query rows per step won for query+key at 4K and 8K (its gathers of both
+#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too.
+KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 2, 2))
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2))
 REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
@@ -161,12 +165,24 @@ def backward_candidates(base):
     return [replace(base, backward=t) for t in tiles]
 
 
+def _passes(base, query, key):
+    return replace(base, backward=query, backward_kv=None if key == query else key)
+
+
 def key_pass_candidates(base):
     """The key-parallel pass on its own tiles, the query pass's kept (the passes spill differently)."""
     from relgen.runtime import AttnTiles
 
-    tiles = _unique([base.key_pass, *(AttnTiles(*t) for t in BACKWARD_TILES)])
-    return [replace(base, backward_kv=None if t == base.backward else t) for t in tiles]
+    tiles = _unique([base.key_pass, *(AttnTiles(*t) for t in KEY_PASS_TILES)])
+    return [_passes(base, base.backward, t) for t in tiles]
+
+
+def query_pass_candidates(base):
+    """The query-parallel pass's tiles again, now that the key pass has its own."""
+    from relgen.runtime import AttnTiles
+
+    tiles = _unique([base.backward, *(AttnTiles(*t) for t in BACKWARD_TILES)])
+    return [_passes(base, t, base.key_pass) for t in tiles]
 
 
 def reduce_candidates(base):
@@ -401,6 +417,7 @@ class Tuner:
             if best is None:
                 return None
             best, _ = self.measure(problems, key_pass_candidates(best), "backward", backward_label, bwd)
+            best, _ = self.measure(problems, query_pass_candidates(best), "backward", backward_label, bwd)
             best_bwd, bwd_ms = self.measure(problems, reduce_candidates(best), "backward", backward_label, bwd)
         finally:
             del problems

@@ -108,11 +108,12 @@ def test_candidates_fit_the_group():
         tune.project_candidates,
         tune.backward_candidates,
         tune.key_pass_candidates,
+        tune.query_pass_candidates,
         tune.reduce_candidates,
     )
     for stage in stages:
         candidates = stage(base)
-        assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 6
+        assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 10
         for cfg in candidates:
             cfg.check()
             assert cfg.group == 128
