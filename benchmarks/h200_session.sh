@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 
 if [ "$phase" = verify ]; then
-    timeout 540 python3 -m pytest -q -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
+    timeout "${VERIFY_S:-540}" python3 -m pytest -q -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
         -p no:cacheprovider -rfE > "$out/gpu_tests.log" 2>&1
     echo "tests exit $?" >> "$out/gpu_tests.log"
     tail -5 "$out/gpu_tests.log"
