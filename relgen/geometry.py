@@ -90,7 +90,7 @@ class GradientBuffer:
     def __init__(self, geo: Geometry, device: torch.device):
         self.geo = geo
         atomic = geo.path == "atomic"
-        self.dtype = torch.float32 if atomic else geo.dtype
+        self.dtype = torch.float32 if atomic else geo.dz_dtype
         wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
         wq, wk = geo.row_stride(wq), geo.row_stride(wk)
         self.widths = (wq, wk)
@@ -205,6 +205,13 @@ class Geometry:
         return torch.float32 if self.dtype == torch.float32 else torch.float16
 
     @property
+    def dz_dtype(self) -> torch.dtype:
+        """dZ̃'s storage on the offset path. Not bf16: a row's boundary column holds the sum over all its
+        saturated pairs, and bf16's 8-bit significand rounds it coarsely enough that a bucket whose gradient
+        cancels (decoding, one query row) misses the criterion (seen on the H200: T5 decoder, Nq = 1, N = 4096)."""
+        return torch.float16 if self.dtype == torch.float16 else torch.float32
+
+    @property
     def clamp_fp16(self) -> bool:
         return self.dtype == torch.bfloat16
 
@@ -241,15 +248,15 @@ class Geometry:
                 columns=r, width=r, stride=stride, doff=self.doff, low=self.low, fp32=True, prec="ieee", aligned=True
             )
         width = self.wq if query_side else self.wk
-        fp32 = self.dtype == torch.float32
         return Reduction(
             columns=self.c,
             width=width,
             stride=self.row_stride(width),
             doff=self.doff,
             low=self.low,
-            fp32=fp32,
-            prec=self.prec,
+            fp32=self.dz_dtype == torch.float32,
+            # bf16 inputs: the fp32 dZ̃ enters the GEMMs as tf32, whose significand is fp16's (fp32: exact)
+            prec="tf32" if self.dtype == torch.bfloat16 else self.prec,
             aligned=self.windows_aligned(query_side),
         )
 
