@@ -542,14 +542,15 @@ def test_report_formatting():
 
 def test_ablation_report(tmp_path):
     records = []
-    for variant, ms, mib, status in [
-        (None, 1.0, 100.0, "ok"),
-        ("no_projections", 2.5, 30.0, "ok"),
-        ("atomic_gradients", None, None, "unsupported"),
+    for mechanism, variant, ms, mib, status in [
+        ("shaw", None, 1.0, 100.0, "ok"),
+        ("shaw", "no_projections", 2.5, 30.0, "ok"),
+        ("shaw", "atomic_gradients", None, None, "unsupported"),
+        ("t5", "no_projections", 9.0, 9.0, "ok"),  # full relgen not measured: no ratio, not listed
     ]:
         for pass_ in ("fwd", "bwd"):
             records.append(
-                {"mechanism": "shaw", "system": "relgen", "variant": variant, "seq_len": 1024, "pass": pass_}
+                {"mechanism": mechanism, "system": "relgen", "variant": variant, "seq_len": 1024, "pass": pass_}
                 | {"status": status, "ms": ms, "peak_mib": mib, "batch": 16, "dtype": "fp16"}
             )
     common.write_records(tmp_path / "ablation.json", records)
@@ -557,6 +558,8 @@ def test_ablation_report(tmp_path):
     md = (tmp_path / "ablation.md").read_text()
     assert "| no_projections | 2.5 | 2.5 | 0.3 | 0.3 | shaw |" in md
     assert "| atomic_gradients | unsupported | unsupported | unsupported | unsupported | – |" in md
+    assert "| shaw | 1K | no_projections | fwd | 2.5 | 1 | 2.50× | 30 | 100 |" in md
+    assert "| t5 |" not in md
 
 
 def test_report_only_cli(tmp_path, capsys):

@@ -434,6 +434,7 @@ def ablation_markdown(records: list[dict[str, Any]]) -> str:
         if not mine:
             continue
         cells = [variant]
+        judged: set[str] = set()  # mechanisms with a ratio: the variant and full relgen both measured
         for field in ("ms", "peak_mib"):
             for pass_ in PASSES:
                 ratios = []
@@ -441,6 +442,7 @@ def ablation_markdown(records: list[dict[str, Any]]) -> str:
                     ref = base.get((r["mechanism"], r["pass"], r["seq_len"]))
                     if r["pass"] == pass_ and r.get("status") == "ok" and ref and r.get(field) and ref.get(field):
                         ratios.append(r[field] / ref[field])
+                        judged.add(r["mechanism"])
                 if ratios:
                     lo, hi = min(ratios), max(ratios)
                     cells.append(f"{lo:.2g}" if f"{lo:.2g}" == f"{hi:.2g}" else f"{lo:.2g}–{hi:.2g}")
@@ -448,7 +450,7 @@ def ablation_markdown(records: list[dict[str, Any]]) -> str:
                     cells.append("unsupported")
                 else:
                     cells.append("–")
-        cells.append(", ".join(sorted({r["mechanism"] for r in mine if r.get("status") == "ok"})) or "–")
+        cells.append(", ".join(sorted(judged)) or "–")
         lines.append("| " + " | ".join(cells) + " |")
         for r in mine:
             if r.get("status") not in ("ok", "unsupported") or r.get("exact") is False:
@@ -457,9 +459,27 @@ def ablation_markdown(records: list[dict[str, Any]]) -> str:
                     f"- {what}: {r.get('status')}{'†' if r.get('exact') is False else ''} "
                     f"{(r.get('error') or '')[:200]}"
                 )
+    lines += _ablation_rows(records, base)
     if details:
         lines += ["", "Notes:", "", *details]
     return "\n".join(lines) + "\n"
+
+
+def _ablation_rows(records: list[dict[str, Any]], base: dict[tuple, dict[str, Any]]) -> list[str]:
+    """Every measured variant next to full relgen of the same mechanism, length and pass."""
+    rows = []
+    for r in sorted(records, key=lambda r: (r["mechanism"], r["seq_len"], r.get("variant") or "", r["pass"])):
+        ref = base.get((r["mechanism"], r["pass"], r["seq_len"]))
+        if not r.get("variant") or r.get("status") != "ok" or ref is None:
+            continue
+        rows.append(
+            f"| {r['mechanism']} | {fmt_n(r['seq_len'])} | {r['variant']} | {r['pass']} | {r['ms']:.3g} | "
+            f"{ref['ms']:.3g} | {r['ms'] / ref['ms']:.2f}× | {fmt_mib(r['peak_mib'])} | {fmt_mib(ref['peak_mib'])} |"
+        )
+    if not rows:
+        return []
+    head = "| Mechanism | N | w/o | Pass | ms | ms (full) | Latency | MiB | MiB (full) |"
+    return ["", "Per measurement:", "", head, "|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 # -- entry point ------------------------------------------------------------------------------------------------
