@@ -45,12 +45,19 @@ def count(ops: str, op: str) -> int:
     return sum(int(n) for name, n in re.findall(r"([\w.]+):(\d+)", ops) if name == op)
 
 
-def test_streaming_kernels_use_vector_accesses():
-    ops = memory_ops("deberta_v3.yaml", 1024)  # every window is the whole expansion (C = 513 < N + G − 1)
+@pytest.mark.parametrize(
+    ("spec", "seq_len"),
+    [
+        ("deberta_v3.yaml", 1024),  # every window is the whole expansion (C = 1019 < N + G − 1); rows of 1024
+        ("shaw.yaml", 600),  # rows of 520 = 513 rounded to ROW_ALIGN: 16-byte aligned, not a multiple of 16
+    ],
+)
+def test_streaming_kernels_use_vector_accesses(spec, seq_len):
+    ops = memory_ops(spec, seq_len)
     assert {"_project_kernel", "_reduce_tokens_kernel", "_reduce_table_kernel"} <= set(ops), ops
     # Z̃ rows go out as 16-byte stores; the few 2-byte ones are the end-column buffer's (2 entries per token),
     # where the scalar row stores of the bug were 64 per thread
-    for launch in ops["_project_kernel"]:  # the query and the key projection
+    for launch in ops["_project_kernel"]:  # each side's projection
         assert count(launch, "st.v4.b32") >= 8 and count(launch, "st.b16") <= 4, launch
     for launch in ops["_reduce_tokens_kernel"] + ops["_reduce_table_kernel"]:  # windows start at 0 here: aligned
         assert count(launch, "ld.b16") == 0, launch
