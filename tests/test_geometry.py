@@ -82,3 +82,31 @@ def test_expanded_tables_hold_the_row_of_every_offset(name, n):
             assert torch.equal(got, table[..., phi, :])
     if tables["bias"] is not None:
         assert torch.equal(expanded.bias, tables["bias"][..., phi].float())
+
+
+@given(width=st.integers(1, 20000))
+def test_row_stride_is_the_smallest_aligned_width(width):
+    from relgen.geometry import ROW_ALIGN, Geometry
+
+    stride = Geometry.row_stride(width)
+    assert stride % ROW_ALIGN == 0 and width <= stride < width + ROW_ALIGN
+    assert Geometry.row_units(width) * ROW_ALIGN == stride
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stored", "prec"),
+    [
+        (torch.float16, torch.float16, "ieee"),
+        (torch.bfloat16, torch.float32, "tf32"),
+        (torch.float32, torch.float32, "ieee"),
+    ],
+)
+def test_gradient_buffer_precision_follows_the_inputs(dtype, stored, prec):
+    """bf16 keeps dZ̃ in fp32 (its boundary columns are sums over many pairs) and the reductions read it as tf32."""
+    spec = relgen.load_spec(ROOT / "specs" / "t5_decoder.yaml")
+    inputs = make_inputs(spec, b=1, h=2, nq=1, nk=300, d=16, dtype=dtype, device="cpu", length=300)
+    module = relgen.compile_mechanism(spec).module_for(300)
+    geo = geometry(module, inputs, q_offset=299)
+    assert geo.gradient_buffer(torch.device("cpu")).dtype == stored
+    red = geo.reduction(True)
+    assert red.fp32 == (stored == torch.float32) and red.prec == prec
