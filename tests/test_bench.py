@@ -607,3 +607,14 @@ def test_gpu_smoke_all_systems(tmp_path):
         if r["system"] == "relgen":
             assert r["exact"] is True, r["check"]
     assert (tmp_path / "attention.md").exists()
+
+
+def test_targets_say_when_relgen_and_its_peers_were_not_measured_together():
+    def stamped(record, hour):
+        return dict(record, timestamp=f"2026-11-29T{hour:02d}:00:00+0000")
+
+    records = synthetic_records()
+    together = [stamped(r, 10) for r in records]
+    assert "Not side by side" not in report.markdown(together)
+    apart = [stamped(r, 16 if r["system"] == "relgen" else 11) for r in records]
+    assert "Not side by side: at N = 8K relgen was measured 2026-11-29 16:00–16:00 UTC" in report.markdown(apart)
