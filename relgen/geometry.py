@@ -91,9 +91,8 @@ class GradientBuffer:
         self.geo = geo
         atomic = geo.path == "atomic"
         self.dtype = torch.float32 if atomic else geo.dz_dtype
-        wq, wk = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
-        wq, wk = geo.row_stride(wq), geo.row_stride(wk)
-        self.widths = (wq, wk)
+        windows = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
+        wq, wk = self.widths = tuple(geo.row_stride(w) for w in windows)
         size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
         self.storage = torch.empty(size, device=device, dtype=self.dtype)
         if os.environ.get("RELGEN_POISON_BUFFERS"):  # tests: an entry that no kernel writes shows up as NaN

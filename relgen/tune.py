@@ -49,7 +49,8 @@ GROUP = 128
 
 #: Candidate tiles. Forward / backward: (block_m, block_n, num_warps, num_stages).
 FORWARD_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2))
-#: 64x64 with 8 warps: the passes spill at 64x64 with 4 warps (ptxas, benchmarks/compile_check.py); 64x128 never won.
+#: 64x64 with 8 warps: no spills by ptxas where 4 warps spill, yet it lost at 8K for every spec on the H200; 64x128
+#: never won.
 BACKWARD_TILES = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2))
 #: The key pass on its own: 32 query rows per step won for query+key at 4K and 8K (its gathers of both
 #: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too.
