@@ -53,8 +53,10 @@ FORWARD_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 
 #: never won.
 BACKWARD_TILES = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2))
 #: The key pass on its own: 32 query rows per step won for query+key at 4K and 8K (its gathers of both
-#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too.
-KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 2, 2))
+#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too. Not 32x128 with 8 warps:
+#: on the H200 it gave a wrong dK (T5 from 384 tokens, Shaw/TXL at 128; exact in the CPU's interpreter), which the
+#: tuner's comparison caught (tests/test_gpu.py::test_every_backward_candidate_is_exact).
+KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (16, 64, 4, 2), (32, 64, 2, 2))
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2))
 REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
@@ -166,7 +168,8 @@ def backward_candidates(base):
     return [replace(base, backward=t) for t in tiles]
 
 
-def _passes(base, query, key):
+def with_passes(base, query, key):
+    """`base` with the query pass on `query` tiles and the key pass on `key` (None when they are the same)."""
     return replace(base, backward=query, backward_kv=None if key == query else key)
 
 
@@ -175,7 +178,7 @@ def key_pass_candidates(base):
     from relgen.runtime import AttnTiles
 
     tiles = _unique([base.key_pass, *(AttnTiles(*t) for t in KEY_PASS_TILES)])
-    return [_passes(base, base.backward, t) for t in tiles]
+    return [with_passes(base, base.backward, t) for t in tiles]
 
 
 def query_pass_candidates(base):
@@ -183,7 +186,7 @@ def query_pass_candidates(base):
     from relgen.runtime import AttnTiles
 
     tiles = _unique([base.backward, *(AttnTiles(*t) for t in BACKWARD_TILES)])
-    return [_passes(base, t, base.key_pass) for t in tiles]
+    return [with_passes(base, t, base.key_pass) for t in tiles]
 
 
 def reduce_candidates(base):
