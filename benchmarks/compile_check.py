@@ -6,7 +6,7 @@ spills (Triton's bundled ptxas -v) and shared memory. Compile errors the interpr
 globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
-        [--tiles backward.num_warps=8 backward_kv.block_m=32 ...]
+        [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections]
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ TORCH_TYPES = {
 }
 
 
-def record(spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int, overrides: list[str]) -> list[dict]:
+def record(
+    spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int, overrides: list[str], ablation: str | None
+) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from triton.runtime import interpreter
@@ -107,7 +109,7 @@ def record(spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int,
         tables["bias"] = torch.randn(shape[:-1], requires_grad=True)
     q, k, v = (torch.randn(1, 2, n, 64, dtype=torch_dtype, requires_grad=True) for _ in range(3))
     with runtime.override_config(cfg):
-        out = relgen.compile_mechanism(spec)(q, k, v, **tables)
+        out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation)
         out.sum().backward()
     seen, unique = set(), []
     for launch in launches:
@@ -220,12 +222,15 @@ def main() -> int:
         "--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="change the tiles, e.g. backward.num_warps=8"
     )
     parser.add_argument("--memory-ops", action="store_true", help="count global loads/stores by width in the PTX")
+    parser.add_argument("--ablation", default=None, help="compile a Table 7 variant (relgen.runtime.ABLATIONS)")
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
         with open(args.compile_from) as f:
             return 1 if compile_all(json.load(f), args.arch, args.memory_ops) else 0
-    launches = record(args.spec, args.dtype, args.seq_len, args.arch, args.config_for or args.seq_len, args.tiles)
+    launches = record(
+        args.spec, args.dtype, args.seq_len, args.arch, args.config_for or args.seq_len, args.tiles, args.ablation
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

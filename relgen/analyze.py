@@ -26,6 +26,9 @@ MAX_CANONICAL_LENGTH = 1 << 16
 _FAR = 1 << 30
 
 Path = Literal["offset", "atomic"]
+#: How the kernels get the relation products q_i·ã_s (k_j·ã_s): from the stored projections Z̃, or formed per tile
+#: from the expanded table (the paper's Table 7 ablation "w/o projections").
+Relations = Literal["projected", "in_tile"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Plan:
     key_window: int
     groups: int
     cost: dict[str, float] = field(default_factory=dict)
+    relations: Relations = "projected"
 
     # -- derived -------------------------------------------------------------------------------------------
     @property
@@ -128,6 +132,7 @@ class Plan:
             f"{' (N-dependent)' if self.length_dependent else ''} C={self.expanded_rows} "
             f"copies={'yes' if self.has_copies else 'no'} causal={self.causal} "
             f"shared_tables={self.heads_share_tables}"
+            f"{' relations=in_tile' if self.relations == 'in_tile' else ''}"
         )
 
     def __str__(self) -> str:

@@ -28,6 +28,7 @@ class GenerationFlags:
     dz_query: bool  # the query-parallel pass writes dZ̃^Q
     dz_key: bool  # the key-parallel pass writes dZ̃^K
     saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
+    in_tile: bool  # relation products formed per band tile from Ã (ablation no_projections), not read from Z̃
     end_terms: str  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     bias_from: str | None  # which dZ̃ yields db
     terms_literal: str
@@ -55,6 +56,7 @@ class GenerationFlags:
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
             saturates=not plan.length_dependent,
+            in_tile=plan.relations == "in_tile",
             end_terms=" + ".join(
                 part
                 for part, present in (

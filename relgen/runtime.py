@@ -66,7 +66,13 @@ __all__ = [
 ]
 
 #: The paper's Table 7 switches that `fn(..., ablation=name)` accepts (relgen bench --ablation).
-ABLATIONS = ("atomic_gradients", "no_reachable_ranges", "no_constant_range_reuse", "recompute_projections")
+ABLATIONS = (
+    "atomic_gradients",
+    "no_projections",
+    "no_reachable_ranges",
+    "no_constant_range_reuse",
+    "recompute_projections",
+)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -115,6 +121,7 @@ class Mechanism:
         self.plan = analyze(spec)
         self.module = load_module(self.plan)
         self._wider: dict[int, ModuleType] = {}
+        self._variants: dict[tuple, ModuleType] = {}
 
     def module_for(self, window: int) -> ModuleType:
         limit = self.module.PLAN.valid_up_to
@@ -145,12 +152,32 @@ class Mechanism:
         if ablation == "recompute_projections":
             return module, {**options, "recompute_projections": True}
         if ablation == "atomic_gradients":  # the fallback's per-pair atomic adds on a map that does not need them
-            key = -1
-            if key not in self._wider:
-                plan = analyze(self.spec, module.PLAN.valid_up_to) if module.PLAN.valid_up_to else self.plan
-                self._wider[key] = load_module(replace(plan, path="atomic"))
-            return self._wider[key], options
+            return self._variant(module, path="atomic"), options
+        if ablation == "no_projections":  # relation products formed in every band tile instead of stored
+            plan, why = self.plan, None
+            if not (plan.has_query or plan.has_key):
+                why = "has no projection to switch off (bias only)"
+            elif plan.has_bias:
+                why = "folds its bias into a projection"
+            elif plan.path != "offset":
+                why = "runs the atomic path"
+            if why:
+                raise NotImplementedError(
+                    f"ablation no_projections: {plan.spec_name} {why}; in-tile relation products cover query and "
+                    "key terms without a bias, on the offset path"
+                )
+            if options.get("cu_seqlens") is not None:
+                raise NotImplementedError("ablation no_projections: packed sequences (cu_seqlens) are not supported")
+            return self._variant(module, relations="in_tile"), options
         return module, {**options, "_ablation": ablation}
+
+    def _variant(self, module: ModuleType, **changes: Any) -> ModuleType:
+        """The module of `module`'s plan with `changes` (an ablation), built once."""
+        key = (module.PLAN.valid_up_to, *sorted(changes.items()))
+        if key not in self._variants:
+            plan = analyze(self.spec, module.PLAN.valid_up_to) if module.PLAN.valid_up_to else self.plan
+            self._variants[key] = load_module(replace(plan, **changes))
+        return self._variants[key]
 
     def __repr__(self) -> str:
         return f"<relgen mechanism {self.plan.summary()}>"

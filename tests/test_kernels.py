@@ -101,7 +101,34 @@ def test_ablation_switches_stay_exact(name, ablation):
     """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""
     spec = relgen.load_spec(spec_path(name))
     inputs = make_inputs(spec, b=1, h=2, nq=45, d=16, device=DEVICE, seed=2)
+    if ablation == "no_projections" and not (spec.has_query or spec.has_key):
+        with pytest.raises(NotImplementedError, match=r"^ablation no_projections: t5 has no projection"):
+            compare(spec, inputs, ablation=ablation)
+        return
     assert_all_close(compare(spec, inputs, ablation=ablation), f"{name} ablation={ablation}")
+
+
+IN_TILE_SPECS = [
+    {"name": "clip8", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 8}},
+    {"name": "t5q", "terms": ["query"], "map": {"kind": "t5", "num_buckets": 32, "max_distance": 128}},
+    {"name": "clipc", "terms": ["key"], "causal": True, "map": {"kind": "clipped", "min": -5, "max": 7}},
+]
+
+
+@pytest.mark.parametrize("spec", IN_TILE_SPECS, ids=lambda s: s["name"])
+def test_in_tile_relation_products_are_exact(spec):
+    """Ablation no_projections on saturating maps (band tiles that also hold end-column pairs), bucket copies,
+    causal masking and Nq ≠ Nk; the interpreter's tiles cover BM > BN and BM < BN."""
+    spec = relgen.load_spec(spec)
+    inputs = make_inputs(spec, b=2, h=2, nq=30, nk=61, d=16, device=DEVICE, seed=3)
+    assert_all_close(compare(spec, inputs, ablation="no_projections"), f"{spec.name} no_projections")
+
+
+def test_in_tile_relation_products_refuse_a_folded_bias():
+    spec = relgen.load_spec({"name": "qb", "terms": ["query", "bias"], "map": {"kind": "clipped", "min": -4, "max": 4}})
+    inputs = make_inputs(spec, b=1, h=2, nq=9, d=16, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=r"^ablation no_projections: qb folds its bias"):
+        relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_projections")
 
 
 def test_unknown_ablation_is_refused():
