@@ -124,6 +124,17 @@ def test_in_tile_relation_products_are_exact(spec):
     assert_all_close(compare(spec, inputs, ablation="no_projections"), f"{spec.name} no_projections")
 
 
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=random_specs(), nq=st.integers(1, 70), nk=st.integers(1, 70))
+def test_in_tile_relation_products_on_random_specs(spec, nq, nk):
+    terms = [t for t in spec.terms if t != "bias"] or ["query"]  # in-tile products cover query and key terms
+    spec = relgen.load_spec({**spec.model_dump(), "terms": terms})
+    if relgen.compile_mechanism(spec).plan.path != "offset":
+        return  # the atomic path keeps its projections
+    inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, seed=nq * 71 + nk)
+    assert_all_close(compare(spec, inputs, ablation="no_projections"), f"{spec.model_dump()} Nq={nq} Nk={nk}")
+
+
 def test_in_tile_relation_products_refuse_a_folded_bias():
     spec = relgen.load_spec({"name": "qb", "terms": ["query", "bias"], "map": {"kind": "clipped", "min": -4, "max": 4}})
     inputs = make_inputs(spec, b=1, h=2, nq=9, d=16, device=DEVICE)
