@@ -1604,19 +1604,8 @@ def _projections(q, k, expanded, geo, cfg):
 
 
 def _scalar_args(geo):
-    return (
-        geo.seed,
-        geo.dropout_p,
-        *_sizes(geo),
-        geo.doff,
-        geo.low,
-        geo.high,
-        geo.c,
-        geo.wq,
-        geo.wk,
-        geo.row_units(geo.wq),
-        geo.row_units(geo.wk),
-    )
+    strides = (geo.row_units(geo.wq), geo.row_units(geo.wk))
+    return (geo.seed, geo.dropout_p, *_sizes(geo), geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk, *strides)
 
 
 def _or(t, dummy):

@@ -90,7 +90,7 @@ class GradientBuffer:
     def __init__(self, geo: Geometry, device: torch.device):
         self.geo = geo
         atomic = geo.path == "atomic"
-        self.dtype = torch.float32 if atomic else geo.dz_dtype
+        self.dtype = geo.dz_dtype
         windows = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
         wq, wk = self.widths = tuple(geo.row_stride(w) for w in windows)
         size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
@@ -205,10 +205,11 @@ class Geometry:
 
     @property
     def dz_dtype(self) -> torch.dtype:
-        """dZ̃'s storage on the offset path. Not bf16: a row's boundary column holds the sum over all its
-        saturated pairs, and bf16's 8-bit significand rounds it coarsely enough that a bucket whose gradient
-        cancels (decoding, one query row) misses the criterion (seen on the H200: T5 decoder, Nq = 1, N = 4096)."""
-        return torch.float16 if self.dtype == torch.float16 else torch.float32
+        """dZ̃'s storage: fp32 on the atomic path (it adds in fp32). On the offset path not bf16 either: a row's
+        boundary column holds the sum over all its saturated pairs, and bf16's 8-bit significand rounds it
+        coarsely enough that a bucket whose gradient cancels (decoding, one query row) misses the criterion (seen
+        on the H200: T5 decoder, Nq = 1, N = 4096)."""
+        return torch.float16 if self.dtype == torch.float16 and self.path == "offset" else torch.float32
 
     @property
     def clamp_fp16(self) -> bool:
