@@ -152,10 +152,29 @@ def _key_tile(tile, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr):
+def _along_queries(x, KEY_MAJOR: tl.constexpr):
+    """A per-query vector spread over a score tile: a column of a query-major tile [BM, BN], a row of a key-major
+    one [BN, BM] (the key pass's orientation: its products then need no transposes; see _bwd_kv_range)."""
+    if KEY_MAJOR:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _along_keys(x, KEY_MAJOR: tl.constexpr):
+    """A per-key vector spread over a score tile (see _along_queries)."""
+    if KEY_MAJOR:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.constexpr):
     """δ of every pair of a band tile, and u (the position along the tile's descending keys)."""
     u = tl.arange(0, BLOCK_N)
-    return (offs_m + DOFF - j_hi)[:, None] + u[None, :], u
+    return _along_queries(offs_m + DOFF - j_hi, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), u
 
 
 @triton.jit
@@ -168,9 +187,9 @@ def _ends(E, offs, ok):
 
 
 @triton.jit
-def _end_terms(row_end, col_end, b_end):
+def _end_terms(row_end, col_end, b_end, KEY_MAJOR: tl.constexpr):
     """The relation terms of a pair whose offset lies at or beyond one saturation bound: one column for all."""
-    return row_end[:, None]
+    return _along_queries(row_end, KEY_MAJOR)
 
 
 @triton.jit
@@ -186,6 +205,14 @@ def _key_ends(E, offs_n, col_ok):
 @triton.jit
 def _bias_ends(bias_h, C):
     return 0.0, 0.0  # b̃ is folded into a projection (or absent)
+
+
+@triton.jit
+def _transpose_if(x, COND: tl.constexpr):
+    if COND:
+        return tl.trans(x)
+    else:
+        return x
 
 
 @triton.jit
@@ -221,37 +248,48 @@ def _score_tile(
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     PREC: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
-    """row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends)."""
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    """row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends).
+    The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR."""
+    if KEY_MAJOR:
+        qk = tl.dot(k, tl.trans(q), input_precision=PREC)
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     row_ok = offs_m < Nq
     col_ok = offs_n < Nk
     if MODE == BAND:
         # the relation terms are summed apart and added to the accumulator once: one layout conversion per tile
         # (each gather is loaded in the layout of its contiguous direction)
-        delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N)
-        pair_ok = row_ok[:, None] & col_ok[None, :]
+        delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, KEY_MAJOR)
+        pair_ok = _along_queries(row_ok, KEY_MAJOR) & _along_keys(col_ok, KEY_MAJOR)
         above = delta > HIGH  # these pairs read the end columns instead
         below = delta < LOW
         pair_ok = pair_ok & (delta >= LOW) & (delta <= HIGH)
         # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0)
         run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-        rel = tl.load(run[:, None] + u[None, :], mask=pair_ok, other=0.0).to(tl.float32)
-        rel += tl.where(above, _end_terms(row_hi, col_hi, b_hi), tl.where(below, _end_terms(row_lo, col_lo, b_lo), 0.0))
+        rel = tl.load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), mask=pair_ok, other=0.0).to(
+            tl.float32
+        )
+        rel += tl.where(
+            above,
+            _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR),
+            tl.where(below, _end_terms(row_lo, col_lo, b_lo, KEY_MAJOR), 0.0),
+        )
         qk += rel
     elif MODE == SAT_HIGH:
-        qk += _end_terms(row_hi, col_hi, b_hi)
+        qk += _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR)
     else:
-        qk += _end_terms(row_lo, col_lo, b_lo)
+        qk += _end_terms(row_lo, col_lo, b_lo, KEY_MAJOR)
     s = qk * qk_scale
     if MASKED:
-        keep = col_ok[None, :]
+        keep = _along_keys(col_ok, KEY_MAJOR)
         if CAUSAL:
-            keep = keep & (offs_m[:, None] + DOFF >= offs_n[None, :])
+            keep = keep & (_along_queries(offs_m + DOFF, KEY_MAJOR) >= _along_keys(offs_n, KEY_MAJOR))
         s = tl.where(keep, s, float("-inf"))
     if HAS_KPM:
         real = tl.load(kpm_b + offs_n, mask=col_ok, other=0)
-        s = tl.where(real[None, :] != 0, s, float("-inf"))
+        s = tl.where(_along_keys(real != 0, KEY_MAJOR), s, float("-inf"))
     return s
 
 
@@ -433,6 +471,7 @@ def _fwd_range(
             CAUSAL,
             HAS_KPM,
             PREC,
+            False,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far stay at zero
@@ -440,7 +479,7 @@ def _fwd_range(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m, offs_n, rng_nq, rng_nk, dropout_p)
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], rng_nq, rng_nk, dropout_p)
             p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
@@ -634,11 +673,15 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT: tl.constexpr):
+def _probabilities(
+    s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT: tl.constexpr, KEY_MAJOR: tl.constexpr
+):
     """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P."""
-    p = tl.exp2(s - lse2[:, None])
+    p = tl.exp2(s - _along_queries(lse2, KEY_MAJOR))
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m, offs_n, rng_nq, rng_nk, dropout_p)
+        keep = dropout_keep(
+            seed, bh, _along_queries(offs_m, KEY_MAJOR), _along_keys(offs_n, KEY_MAJOR), rng_nq, rng_nk, dropout_p
+        )
         p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     else:
         p_kept = p
@@ -741,8 +784,9 @@ def _bwd_q_range(
             CAUSAL,
             HAS_KPM,
             PREC,
+            False,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT)
+        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, False)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -752,7 +796,7 @@ def _bwd_q_range(
         elif MODE == SAT_LOW:
             lo_sum += tl.sum(tds, 1)
         else:
-            delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N)
+            delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, False)
             pair_ok = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
             # interior columns have exactly one writer: for a fixed query, key ↦ offset is one-to-one
             interior = (delta > LOW) & (delta < HIGH)
@@ -1120,12 +1164,15 @@ def _bwd_kv_range(
             CAUSAL,
             HAS_KPM,
             PREC,
+            True,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT)
-        dv += tl.dot(tl.trans(p_kept).to(do.dtype), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p_kept * dp - p * Di[:, None]
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
+        # key-major tiles [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand, and a
+        # key's sums run along its own row (no transposes, no reduction across warps)
+        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, True)
+        dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
+        dp = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds = p_kept * dp - p * Di[None, :]
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=PREC)
     return dk, dv, hi_sum, lo_sum
 
 

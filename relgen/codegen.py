@@ -60,8 +60,8 @@ class GenerationFlags:
             end_terms=" + ".join(
                 part
                 for part, present in (
-                    ("row_end[:, None]", plan.has_query),
-                    ("col_end[None, :]", plan.has_key),
+                    ("_along_queries(row_end, KEY_MAJOR)", plan.has_query),
+                    ("_along_keys(col_end, KEY_MAJOR)", plan.has_key),
                     ("b_end", bias_mode == "vector"),
                 )
                 if present

@@ -12,9 +12,9 @@ import triton.language as tl
 
 
 @triton.jit
-def dropout_keep(seed, bh, offs_m, offs_n, Nq, Nk, dropout_p):
-    """True where score (i, j) of batch·head `bh` is kept."""
-    counter = (bh.to(tl.int64) * Nq + offs_m[:, None]) * Nk + offs_n[None, :]
+def dropout_keep(seed, bh, i, j, Nq, Nk, dropout_p):
+    """True where score (i, j) of batch·head `bh` is kept; i and j broadcast to the tile (either orientation)."""
+    counter = (bh.to(tl.int64) * Nq + i) * Nk + j
     return tl.rand(seed, counter) >= dropout_p
 
 
@@ -23,7 +23,7 @@ def _keep_mask_kernel(OUT, seed, dropout_p, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, bh, offs_m, offs_n, Nq, Nk, dropout_p)
+    keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], Nq, Nk, dropout_p)
     ptrs = OUT + (bh.to(tl.int64) * Nq + offs_m[:, None]) * Nk + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < Nq) & (offs_n[None, :] < Nk))
 

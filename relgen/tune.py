@@ -53,10 +53,11 @@ FORWARD_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 
 #: never won.
 BACKWARD_TILES = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2))
 #: The key pass on its own: 32 query rows per step won for query+key at 4K and 8K (its gathers of both
-#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too. Not 32x128 with 8 warps:
-#: on the H200 it gave a wrong dK (T5 from 384 tokens, Shaw/TXL at 128; exact in the CPU's interpreter), which the
-#: tuner's comparison caught (tests/test_gpu.py::test_every_backward_candidate_is_exact).
-KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (16, 64, 4, 2), (32, 64, 2, 2))
+#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too. 32x128 with 8 warps gave a
+#: wrong dK on the H200 while the key pass was query-major (tl.trans of P and dS; T5 from 384 tokens, Shaw/TXL at
+#: 128; exact in the CPU's interpreter); the key-major pass has no transposes and it is a candidate again, checked
+#: against FP64 by tests/test_gpu.py::test_every_backward_candidate_is_exact and by the tuner's comparison.
+KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (16, 64, 4, 2), (32, 64, 2, 2), (32, 128, 8, 2))
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2))
 REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
