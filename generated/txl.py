@@ -160,6 +160,16 @@ def _along_keys(x, KEY_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _per_key_sum(x, KEY_MAJOR: tl.constexpr):
+    """Σ over a score tile's queries, per key: along a key-major tile's rows (within a warp), or down a
+    query-major tile's columns (across warps)."""
+    if KEY_MAJOR:
+        return tl.sum(x, 1)
+    else:
+        return tl.sum(x, 0)
+
+
+@triton.jit
 def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.constexpr):
     """δ of every pair of a band tile, and u (the position along the tile's descending keys)."""
     u = tl.arange(0, BLOCK_N)
@@ -1101,6 +1111,7 @@ def _bwd_kv_range(
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(lo, hi):
@@ -1145,15 +1156,17 @@ def _bwd_kv_range(
             CAUSAL,
             HAS_KPM,
             PREC,
-            True,
+            KEY_MAJOR,
         )
-        # key-major tiles [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand, and a
-        # key's sums run along its own row (no transposes, no reduction across warps)
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, True)
-        dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
-        dp = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds = p_kept * dp - p * Di[None, :]
-        dk += tl.dot(ds.to(q.dtype), q, input_precision=PREC)
+        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, KEY_MAJOR)
+        if KEY_MAJOR:  # [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand
+            dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
+            dp = tl.dot(v, tl.trans(do), input_precision=PREC)
+        else:
+            dv += tl.dot(tl.trans(p_kept).to(do.dtype), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p_kept * dp - p * _along_queries(Di, KEY_MAJOR)
+        dk += tl.dot(_transpose_if(ds, KEY_MAJOR == 0).to(q.dtype), q, input_precision=PREC)
     return dk, dv, hi_sum, lo_sum
 
 
@@ -1223,8 +1236,10 @@ def _attn_bwd_kv_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
-    """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes."""
+    """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes. Its score tiles are
+    [BM, BN] like the other passes', or [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
     ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -1321,6 +1336,7 @@ def _attn_bwd_kv_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        KEY_MAJOR,
     )
     dk, dv, hi_sum, lo_sum = _bwd_kv_range(
         dk,
@@ -1341,6 +1357,7 @@ def _attn_bwd_kv_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        KEY_MAJOR,
     )
     dk, dv, hi_sum, lo_sum = _bwd_kv_range(
         dk,
@@ -1361,6 +1378,7 @@ def _attn_bwd_kv_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        KEY_MAJOR,
     )
     dk, dv, hi_sum, lo_sum = _bwd_kv_range(
         dk,
@@ -1381,6 +1399,7 @@ def _attn_bwd_kv_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        KEY_MAJOR,
     )
     tl.store(
         DK + b * sdk_b + h * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
@@ -1898,6 +1917,7 @@ def _backward(do, saved, geo, cfg):
         geo.scale,
         **meta,
         **_tiles(ck),
+        KEY_MAJOR=ck.key_major,
     )
     return dq, dk, dv, daq, dak, dbias
 

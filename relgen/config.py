@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,10 @@ class AttnTiles:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    #: the key pass only: score tiles [BN, BM] (keys × queries), whose P and dS feed dV's and dK's products with no
+    #: transpose. On the H200 that wins for query+key specs (DeBERTa at 8K: 7.6 vs 10.2 ms backward) and loses for
+    #: query-only ones (Shaw's key pass 2.86 vs 2.48 ms), so the tuner tries both
+    key_major: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class KernelConfig:
         bad = [t for t in tiles if self.group % t]
         if bad:
             raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
+        if self.forward.key_major or self.backward.key_major:
+            raise ValueError("key_major tiles are the key pass's only (KernelConfig.backward_kv)")
 
 
 #: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups
@@ -83,7 +89,7 @@ INTERPRETER_CONFIG = KernelConfig(
     backward=AttnTiles(16, 32),
     project=ProjectTiles(16, 32),
     reduce=ReduceTiles(16, 32, 16),
-    backward_kv=AttnTiles(32, 16),
+    backward_kv=AttnTiles(32, 16, key_major=True),
 )
 
 _override: list[KernelConfig] = []
@@ -129,6 +135,7 @@ def default_config(
         backward=bwd,
         project=ProjectTiles(128, 64, num_warps=4, num_stages=3),
         reduce=ReduceTiles(64, 64, 64 if not big_d else 32, num_warps=4, num_stages=2),
+        backward_kv=replace(bwd, key_major=True) if two_gathers else None,
     )
 
 

@@ -52,12 +52,17 @@ FORWARD_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 2), (64, 64, 4, 
 #: 64x64 with 8 warps: no spills by ptxas where 4 warps spill, yet it lost at 8K for every spec on the H200; 64x128
 #: never won.
 BACKWARD_TILES = ((64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 8, 2))
-#: The key pass on its own: 32 query rows per step won for query+key at 4K and 8K (its gathers of both
-#: projections and the dZ̃^K scatter spill at 64 rows), so neighbours of that shape too. 32x128 with 8 warps gave a
-#: wrong dK on the H200 while the key pass was query-major (tl.trans of P and dS; T5 from 384 tokens, Shaw/TXL at
-#: 128; exact in the CPU's interpreter); the key-major pass has no transposes and it is a candidate again, checked
-#: against FP64 by tests/test_gpu.py::test_every_backward_candidate_is_exact and by the tuner's comparison.
-KEY_PASS_TILES = (*BACKWARD_TILES, (32, 64, 4, 3), (16, 64, 4, 2), (32, 64, 2, 2), (32, 128, 8, 2))
+#: The key pass on its own, in both orientations (AttnTiles.key_major). Query-major: 32 query rows per step won
+#: for query+key at 4K and 8K (its gathers of both projections and the dZ̃^K scatter spill at 64 rows), so
+#: neighbours of that shape too; not 32x128 with 8 warps, which gave a wrong dK on the H200 (T5 from 384 tokens,
+#: Shaw/TXL at 128; exact in the CPU's interpreter), caught by the tuner's comparison. Key-major (no transposes of
+#: P and dS): the same shapes, and 32x128 with 8 warps, exact there (tests/test_gpu.py::
+#: test_every_backward_candidate_is_exact checks every candidate against FP64).
+_KEY_PASS_SHAPES = (*BACKWARD_TILES, (32, 64, 4, 3), (16, 64, 4, 2), (32, 64, 2, 2))
+KEY_PASS_TILES = (
+    *((*t, False) for t in _KEY_PASS_SHAPES),
+    *((*t, True) for t in (*_KEY_PASS_SHAPES, (32, 128, 8, 2))),
+)
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2))
 REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
@@ -198,7 +203,7 @@ def reduce_candidates(base):
 
 
 def _attn_label(t) -> str:
-    return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
+    return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}{' key-major' if t.key_major else ''}"
 
 
 def forward_label(cfg) -> str:

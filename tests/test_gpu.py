@@ -161,13 +161,11 @@ def test_every_backward_candidate_is_exact(name, n):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=64, dtype=torch.float16, device="cuda", seed=5)
     base = default_config(torch.float16, 64, n, tuple(relgen.compile_mechanism(spec).module.PLAN.terms))
-    for tiles in {*tune.BACKWARD_TILES, *tune.KEY_PASS_TILES}:
-        for cfg in (
-            tune.with_passes(base, AttnTiles(*tiles), base.key_pass),
-            tune.with_passes(base, base.backward, AttnTiles(*tiles)),
-        ):
-            with override_config(cfg):
-                assert_all_close(compare(spec, inputs, dtype=torch.float16), f"{name} {tune.backward_label(cfg)}")
+    candidates = [tune.with_passes(base, AttnTiles(*t), base.key_pass) for t in tune.BACKWARD_TILES]
+    candidates += [tune.with_passes(base, base.backward, AttnTiles(*t)) for t in tune.KEY_PASS_TILES]
+    for cfg in candidates:
+        with override_config(cfg):
+            assert_all_close(compare(spec, inputs, dtype=torch.float16), f"{name} {tune.backward_label(cfg)}")
 
 
 @needs_cuda

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_s
 
 import relgen
 from relgen import codegen
+from relgen.config import INTERPRETER_CONFIG, AttnTiles, override_config
+from relgen.testing import dropout_keep_mask
 from relgen.verify import gradient_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +41,37 @@ def test_other_table_layout(name):
     spec = relgen.load_spec(data)
     inputs = make_inputs(spec, b=2, h=2, nq=45, nk=38, d=32, device=DEVICE, seed=3)
     assert_all_close(compare(spec, inputs), name)
+
+
+@pytest.mark.parametrize("key_major", [False, True], ids=["query-major", "key-major"])
+@pytest.mark.parametrize("name", ["deberta_v3", "t5_decoder", "symmetric"])
+def test_key_pass_orientations_are_exact(name, key_major):
+    """Both orientations of the key pass's score tiles (AttnTiles.key_major, chosen by the tuner), with dropout, a
+    key padding mask, causality and the atomic path: the interpreter's default is key-major."""
+    if name == "symmetric":  # ±δ share rows: the atomic path
+        spec = relgen.load_spec(
+            {
+                "name": "sym",
+                "terms": ["query", "key", "bias"],
+                "map": {"kind": "expression", "expr": "Min(Abs(delta), 6)", "rows": 7},
+            }
+        )
+    else:
+        spec = relgen.load_spec(spec_path(name))
+    b, h, n, p, seed = 2, 2, 40, 0.25, 7
+    inputs = make_inputs(spec, b=b, h=h, nq=n, d=16, device=DEVICE, seed=4)
+    kpm = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
+    kpm[1, 29:] = False
+    keep = dropout_keep_mask((b, h, n, n), p, seed, device=DEVICE)
+    tiles = AttnTiles(32, 16, key_major=key_major)
+    with override_config(dataclasses.replace(INTERPRETER_CONFIG, backward_kv=tiles)):
+        results = compare(spec, inputs, key_padding_mask=kpm, dropout_p=p, dropout_seed=seed, keep_mask=keep)
+    assert_all_close(results, f"{name} key pass {tiles}")
+
+
+def test_key_major_tiles_are_the_key_pass_only():
+    with pytest.raises(ValueError, match="key_major tiles are the key pass's only"):
+        dataclasses.replace(INTERPRETER_CONFIG, backward=AttnTiles(16, 32, key_major=True)).check()
 
 
 # -- random specs of every map kind ----------------------------------------------------------------------------

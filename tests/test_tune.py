@@ -90,9 +90,12 @@ def test_key_pass_tiles_round_trip_through_the_table():
     split = dataclasses.replace(CONFIG, backward_kv=AttnTiles(32, 64, 8, 2))
     assert split.key_pass == AttnTiles(32, 64, 8, 2) and CONFIG.key_pass == CONFIG.backward
     entry = tune.config_entry(split)
-    assert entry["backward_kv"] == {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 2}
+    assert entry["backward_kv"] == {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 2, "key_major": False}
     assert "backward_kv" not in tune.config_entry(CONFIG)
     assert "/ kv 32x64 w8 s2 |" in tune.backward_label(split)
+    key_major = dataclasses.replace(CONFIG, backward_kv=AttnTiles(32, 64, 8, 2, key_major=True))
+    assert tune.config_entry(key_major)["backward_kv"]["key_major"] is True
+    assert "/ kv 32x64 w8 s2 key-major |" in tune.backward_label(key_major)
 
 
 def test_candidates_fit_the_group():
@@ -113,7 +116,8 @@ def test_candidates_fit_the_group():
     )
     for stage in stages:
         candidates = stage(base)
-        assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 10
+        # the key pass tries both orientations of its tiles: at most 18 candidates there, 10 elsewhere
+        assert candidates[0] == base and len(candidates) == len(set(candidates)) <= 18
         for cfg in candidates:
             cfg.check()
             assert cfg.group == 128
