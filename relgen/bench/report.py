@@ -220,20 +220,25 @@ def _when(record: dict[str, Any]) -> datetime.datetime | None:
 
 
 def _provenance(records: list[dict[str, Any]]) -> list[str]:
-    """Says so when relgen's records at TARGET_LENGTH and its peers' were measured in different runs."""
+    """Says so, naming them, when peers' records at TARGET_LENGTH come from another run than relgen's."""
     at_target = [r for r in records if r["seq_len"] == TARGET_LENGTH and _when(r) is not None]
     ours = sorted(_when(r) for r in at_target if r["system"] == "relgen")
-    peers = sorted(_when(r) for r in at_target if r["system"] != "relgen")
-    if not ours or not peers or (ours[0] - peers[-1] <= SAME_RUN and peers[0] - ours[-1] <= SAME_RUN):
+    if not ours:
+        return []
+    run = (ours[0] - SAME_RUN, ours[-1] + SAME_RUN)
+    apart = [r for r in at_target if r["system"] != "relgen" and not run[0] <= _when(r) <= run[1]]
+    if not apart:
         return []
 
     def span(times: list[datetime.datetime]) -> str:
         return f"{times[0]:%Y-%m-%d %H:%M}–{times[-1]:%H:%M} UTC"
 
+    names = ", ".join(f"{r['mechanism']} {r['system']} {r['pass']}" for r in apart)
     return [
         "",
-        f"Not side by side: at N = {fmt_n(TARGET_LENGTH)} relgen was measured {span(ours)}, its peers "
-        f"{span(peers)} (same settings and machine type; see the records' timestamps).",
+        f"Not side by side: at N = {fmt_n(TARGET_LENGTH)} relgen was measured {span(ours)}; {len(apart)} peer "
+        f"record(s) come from another run, {span(sorted(_when(r) for r in apart))} (same settings and machine "
+        f"type): {names}.",
     ]
 
 
