@@ -44,6 +44,7 @@ PLAN = _rt.PlanInfo(
     ),
     path="offset",
     valid_up_to=None,
+    projections="by_offset",
 )
 # fmt: on
 
@@ -213,7 +214,7 @@ def _key_ends(E, offs_n, col_ok):
 
 
 @triton.jit
-def _bias_ends(bias_h, C):
+def _bias_ends(bias_h, copy_map, C):
     return 0.0, 0.0  # b̃ is folded into a projection (or absent)
 
 
@@ -236,6 +237,7 @@ def _score_tile(
     zk_bh,
     bias_h,
     kpm_b,
+    copy_map,
     s0,
     t0,
     row_hi,
@@ -407,6 +409,7 @@ def _fwd_range(
     ZKE_b,
     bias_h,
     kpm_b,
+    copy_map,
     s0,
     row_hi,
     row_lo,
@@ -459,6 +462,7 @@ def _fwd_range(
             ZK_b,
             bias_h,
             kpm_b,
+            copy_map,
             s0,
             t0,
             row_hi,
@@ -509,6 +513,7 @@ def _attn_fwd_kernel(
     ZKE,
     BIAS,
     KPM,
+    COPY_MAP,
     CU,
     sq_b,
     sq_h,
@@ -569,14 +574,32 @@ def _attn_fwd_kernel(
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq)
-    b_hi, b_lo = _bias_ends(bias_h, C)
+    b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
-    common = (q, K_bh, V_bh, sk_n, sv_n, offs_m, zq_bh, ZK_b, ZKE_b, bias_h, kpm_b, s0, row_hi, row_lo, b_hi, b_lo)
+    common = (
+        q,
+        K_bh,
+        V_bh,
+        sk_n,
+        sv_n,
+        offs_m,
+        zq_bh,
+        ZK_b,
+        ZKE_b,
+        bias_h,
+        kpm_b,
+        COPY_MAP,
+        s0,
+        row_hi,
+        row_lo,
+        b_hi,
+        b_lo,
+    )
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
@@ -772,6 +795,7 @@ def _bwd_q_range(
             ZK_b,
             bias_h,
             kpm_b,
+            copy_map,
             s0,
             t0,
             row_hi,
@@ -906,7 +930,7 @@ def _attn_bwd_q_kernel(
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
-    b_hi, b_lo = _bias_ends(bias_h, C)
+    b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
@@ -1153,6 +1177,7 @@ def _bwd_kv_range(
             zk_bh,
             bias_h,
             kpm_b,
+            copy_map,
             s0,
             t0,
             row_hi,
@@ -1280,7 +1305,7 @@ def _attn_bwd_kv_kernel(
     dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
     bias_h = BIAS + h * sbias_h
     col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
-    b_hi, b_lo = _bias_ends(bias_h, C)
+    b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
     kpm_b = KPM + b * skpm_b
     Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
     DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
@@ -1622,7 +1647,8 @@ def _sizes(geo):
 def _project(x, table, bias, geo, cfg, query_side):
     """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table, and its end
     columns [token rows, 2] (see _ends)."""
-    ntok, width = (geo.nq, geo.wq) if query_side else (geo.nk, geo.wk)
+    ntok = geo.nq if query_side else geo.nk
+    columns, width = geo.projection_columns(query_side)
     z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=x.device, dtype=geo.z_dtype)
     ends = torch.empty((geo.token_rows(query_side), 2), device=x.device, dtype=geo.z_dtype)
     c = cfg.project
@@ -1643,7 +1669,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         *_sizes(geo),
         geo.doff,
         geo.low,
-        geo.c,
+        columns,
         width,
         geo.row_units(width),
         cols,
@@ -1670,7 +1696,7 @@ def _projections(q, k, expanded, geo, cfg):
 
 
 def _scalar_args(geo):
-    strides = (geo.row_units(geo.wq), geo.row_units(geo.wk))
+    strides = tuple(geo.row_units(geo.projection_columns(side)[1]) for side in (True, False))
     return (geo.seed, geo.dropout_p, *_sizes(geo), geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk, *strides)
 
 
@@ -1694,6 +1720,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         *(_or(z, dummy) for z in projections),
         _or(bias_vec, dummy),
         _or(kpm, dummy),
+        geo.copy_map_tensor(q.device) if False else dummy,
         geo.cu_seqlens_or(dummy),
         *_strides(q),
         *_strides(k),

@@ -29,6 +29,9 @@ Path = Literal["offset", "atomic"]
 #: How the kernels get the relation products q_i·ã_s (k_j·ã_s): from the stored projections Z̃, or formed per tile
 #: from the expanded table (the paper's Table 7 ablation "w/o projections").
 Relations = Literal["projected", "in_tile"]
+#: How stored projections are laid out: one column per expanded offset column (Z̃ = Z Eᵀ, the bucket copies), or,
+#: for the Table 7 ablation "w/o bucket copies", one column per table row, read through β per score.
+Projections = Literal["by_offset", "by_row"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Plan:
     groups: int
     cost: dict[str, float] = field(default_factory=dict)
     relations: Relations = "projected"
+    projections: Projections = "by_offset"
 
     # -- derived -------------------------------------------------------------------------------------------
     @property
@@ -133,6 +137,7 @@ class Plan:
             f"copies={'yes' if self.has_copies else 'no'} causal={self.causal} "
             f"shared_tables={self.heads_share_tables}"
             f"{' relations=in_tile' if self.relations == 'in_tile' else ''}"
+            f"{' projections=by_row' if self.projections == 'by_row' else ''}"
         )
 
     def __str__(self) -> str:

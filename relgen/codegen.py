@@ -29,6 +29,7 @@ class GenerationFlags:
     dz_key: bool  # the key-parallel pass writes dZ̃^K
     saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
     in_tile: bool  # relation products formed per band tile from Ã (ablation no_projections), not read from Z̃
+    by_row: bool  # projections stored per table row and read at β(s(δ)) (ablation no_bucket_copies)
     end_terms: str  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     bias_from: str | None  # which dZ̃ yields db
     terms_literal: str
@@ -57,6 +58,7 @@ class GenerationFlags:
             dz_key=plan.has_key,
             saturates=not plan.length_dependent,
             in_tile=plan.relations == "in_tile",
+            by_row=plan.projections == "by_row",
             end_terms=" + ".join(
                 part
                 for part, present in (

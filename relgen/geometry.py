@@ -36,6 +36,7 @@ class PlanInfo:
     fold: Any  # ((first, count) per row) or None
     path: str
     valid_up_to: int | None
+    projections: str = "by_offset"  # "by_row": stored per table row, read through β (ablation no_bucket_copies)
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -77,9 +78,9 @@ class Reduction:
 
 @dataclass(frozen=True)
 class Expanded:
-    aq: torch.Tensor | None  # Ã^Q = E·A^Q
+    aq: torch.Tensor | None  # what the projections read: Ã^Q = E·A^Q (A^Q itself when projected by row)
     ak: torch.Tensor | None
-    bias: torch.Tensor | None  # b̃ = E·b, fp32
+    bias: torch.Tensor | None  # b̃ = E·b (b when projected by row), fp32
     aq_reduce: torch.Tensor | None  # what the reductions multiply dZ by (Ã, or A on the atomic path)
     ak_reduce: torch.Tensor | None
 
@@ -240,6 +241,13 @@ class Geometry:
             return 0
         return table.stride(0)
 
+    def projection_columns(self, query_side: bool) -> tuple[int, int]:
+        """(columns, window width) of a side's stored projection: C expanded columns in windows of W, or all R
+        rows (ablation no_bucket_copies: no windows in row space)."""
+        if self.plan.projections == "by_row":
+            return self.rows, self.rows
+        return self.c, self.wq if query_side else self.wk
+
     def reduction(self, query_side: bool) -> Reduction:
         if self.path == "atomic":  # W = C = R: every window starts at row 0
             r = self.rows
@@ -295,9 +303,12 @@ class Geometry:
         aq_x, ak_x = copy(aq, -2), copy(ak, -2)
         b_x = copy(bias, -1)
         atomic = self.path == "atomic"
+        by_row = self.plan.projections == "by_row"  # the scores read rows through β; dZ̃ stays by offset
+        if by_row:
+            b_x = bias.contiguous() if bias is not None else None
         return Expanded(
-            aq=aq_x,
-            ak=ak_x,
+            aq=aq.contiguous() if by_row and aq is not None else aq_x,
+            ak=ak.contiguous() if by_row and ak is not None else ak_x,
             bias=b_x.float() if b_x is not None else None,
             aq_reduce=aq.contiguous() if atomic and aq is not None else aq_x,
             ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,

@@ -71,6 +71,7 @@ ABLATIONS = (
     "no_projections",
     "no_reachable_ranges",
     "no_constant_range_reuse",
+    "no_bucket_copies",
     "recompute_projections",
 )
 
@@ -169,6 +170,15 @@ class Mechanism:
             if options.get("cu_seqlens") is not None:
                 raise NotImplementedError("ablation no_projections: packed sequences (cu_seqlens) are not supported")
             return self._variant(module, relations="in_tile"), options
+        if ablation == "no_bucket_copies":  # projections per table row, read through β by every score
+            plan, why = self.plan, None
+            if not plan.has_copies:
+                why = "has no bucket copies (β is one-to-one)"
+            elif plan.path != "offset":
+                why = "runs the atomic path"
+            if why:
+                raise NotImplementedError(f"ablation no_bucket_copies: {plan.spec_name} {why}")
+            return self._variant(module, projections="by_row"), options
         return module, {**options, "_ablation": ablation}
 
     def _variant(self, module: ModuleType, **changes: Any) -> ModuleType:

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_specs
 
 import relgen
 from relgen import codegen
+from relgen.arguments import prepare_call
 from relgen.config import INTERPRETER_CONFIG, AttnTiles, override_config
 from relgen.testing import dropout_keep_mask
 from relgen.verify import gradient_runs
@@ -174,6 +175,35 @@ def test_in_tile_relation_products_refuse_a_folded_bias():
     inputs = make_inputs(spec, b=1, h=2, nq=9, d=16, device=DEVICE)
     with pytest.raises(NotImplementedError, match=r"^ablation no_projections: qb folds its bias"):
         relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_projections")
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(spec=random_specs(kinds=("t5", "log", "boundaries", "expression")), nq=st.integers(1, 70), nk=st.integers(1, 70))
+def test_projections_by_row_on_random_specs(spec, nq, nk):
+    """Ablation no_bucket_copies: projections stored per table row, every score reading its row through β (query,
+    key and bias terms, a bias folded or read per score, causal or not)."""
+    plan = relgen.compile_mechanism(spec).plan
+    assume(plan.has_copies and plan.path == "offset")  # something to switch off, on the offset path
+    inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, seed=nq * 31 + nk)
+    assert_all_close(compare(spec, inputs, ablation="no_bucket_copies"), f"{spec.model_dump()} Nq={nq} Nk={nk}")
+
+
+def test_projections_by_row_are_r_wide_and_refused_without_copies():
+    deberta = relgen.compile_mechanism(relgen.load_spec(spec_path("deberta_v3")))
+    by_row = deberta._variant(deberta.module_for(300), projections="by_row")
+    inputs = make_inputs(deberta.spec, b=1, h=1, nq=300, d=16, device=DEVICE)
+    tables = [inputs.tables.get(name) for name in ("aq", "ak", "bias")]
+    geo = prepare_call(by_row.PLAN, inputs.q, inputs.k, inputs.v, *tables).geo
+    assert geo.projection_columns(True) == geo.projection_columns(False) == (512, 512)  # not C = 1019 columns
+    shaw = relgen.load_spec(spec_path("shaw"))
+    inputs = make_inputs(shaw, b=1, h=2, nq=9, d=16, device=DEVICE)
+    with pytest.raises(NotImplementedError, match=r"^ablation no_bucket_copies: shaw has no bucket copies"):
+        relgen.compile_mechanism(shaw)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_bucket_copies")
 
 
 def test_unknown_ablation_is_refused():

@@ -464,7 +464,8 @@ def ablation_markdown(records: list[dict[str, Any]]) -> str:
         "",
         "Latency and peak memory of relgen with one component switched off, relative to full relgen (× > 1: the "
         "component helps), as the range over mechanisms and lengths. –: not applicable or not measured; "
-        "unsupported: relgen does not expose the switch yet (no number is reported).",
+        "unsupported: relgen refused the variant (it does not apply to the mechanism, or is not implemented for "
+        "it; the record says why), so no number is reported.",
         "",
         "| w/o | Latency fwd | Latency bwd | Memory fwd | Memory bwd | Mechanisms |",
         "|---|---|---|---|---|---|",
