@@ -13,6 +13,9 @@
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
 #                                                                two GPUs can each take a share: see NOTES.md;
 #                                                                SYSTEMS=relgen,sdpa_plain the systems)
+#   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
+#                                                                next to full relgen (default N = 8192; MECHS as
+#                                                                for bench)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
 # relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json and bench.log only (a device call
@@ -20,7 +23,7 @@
 # with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
 # (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
-phase=${1:?phase: verify, tune or bench}
+phase=${1:?phase: verify, tune, bench or ablation}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
@@ -78,6 +81,13 @@ elif [ "$phase" = bench ]; then
     echo "bench exit $?" >> "$out/bench.log"
     cp "$work/attention.json" "$out/attention.json"
     tail -40 "$out/bench.log"
+elif [ "$phase" = ablation ]; then
+    budget=${3:?seconds}
+    timeout $((budget + 30)) python3 -m relgen.bench --ablation --out "$out" --seq-lens "${4:-8192}" \
+        --mechanisms "$(IFS=,; echo "${specs[*]}")" --process-per group --timeout 60 --min-reps 3 --warmup-ms 10 \
+        --rep-ms 50 --budget-s "$budget" > "$out/ablation.log" 2>&1
+    echo "ablation exit $?" >> "$out/ablation.log"
+    tail -20 "$out/ablation.log"
 else
     echo "unknown phase $phase" >&2
     exit 2
