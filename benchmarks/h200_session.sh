@@ -12,7 +12,8 @@
 #                                                                WARM_S=S first compiles in parallel for S s;
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
 #                                                                two GPUs can each take a share: see NOTES.md;
-#                                                                SYSTEMS=relgen,sdpa_plain the systems)
+#                                                                SYSTEMS=relgen,sdpa_plain the systems;
+#                                                                FLEX_MODE=max-autotune the compiled peers' mode)
 #   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
 #                                                                next to full relgen (default N = 8192; MECHS as
 #                                                                for bench)
@@ -59,12 +60,15 @@ elif [ "$phase" = bench ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}
     warm=${WARM_S:-0}  # seconds of parallel compile-only runs first (torch.compile and Triton disk caches)
+    # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for minutes
+    # per process, so the committed runs used the default mode (FLEX_MODE=max-autotune for the protocol's)
+    flex_mode=${FLEX_MODE:-default}
     work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
     if [ "$warm" -gt 0 ]; then
         for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N)
             for n in ${lengths//,/ }; do
                 timeout "$warm" python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" \
-                    --seq-lens "$n" --flex-mode default --process-per group --no-check --min-reps 1 --warmup-ms 1 \
+                    --seq-lens "$n" --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
                     --rep-ms 1 --timeout "$warm" > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
             done
         done
@@ -74,7 +78,7 @@ elif [ "$phase" = bench ]; then
     # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
     [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$work/attention.json"
     timeout $((budget + 30)) python3 -m relgen.bench --out "$work" --seq-lens "$lengths" \
-        --systems "${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}" --flex-mode default \
+        --systems "${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}" --flex-mode "$flex_mode" \
         --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
         --mechanisms "$(IFS=,; echo "${specs[*]}")" \
         > "$out/bench.log" 2>&1
