@@ -7,7 +7,8 @@ backward separately, each with `triton.testing.do_bench` (median):
 1. forward tiles (FORWARD_TILES, plus the heuristic's own), with the heuristic's projection tiles;
 2. projection tiles (PROJECT_TILES) with the best forward tiles;
 3. backward tiles (BACKWARD_TILES, plus the heuristic's) for both passes, with the heuristic's reduction tiles;
-4. the key-parallel pass's own tiles (KEY_PASS_TILES), the query pass's kept from step 3;
+4. the key-parallel pass's own tiles (KEY_PASS_TILES, in both orientations: AttnTiles.key_major), the query
+   pass's kept from step 3;
 5. the query-parallel pass's tiles (BACKWARD_TILES) again, the key pass's kept from step 4;
 6. reduction tiles (REDUCE_TILES) with the best backward tiles.
 
