@@ -13,15 +13,17 @@
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
 #                                                                two GPUs can each take a share: see NOTES.md;
 #                                                                SYSTEMS=relgen,sdpa_plain the systems;
-#                                                                FLEX_MODE=max-autotune the compiled peers' mode)
+#                                                                FLEX_MODE=max-autotune the compiled peers' mode;
+#                                                                WARM_THREADS inductor's compile workers per
+#                                                                compile-only process; MEASURE_TIMEOUT_S)
 #   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
 #                                                                next to full relgen (default N = 8192; MECHS as
 #                                                                for bench)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
-# relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json and bench.log only (a device call
-# returns at most 8 files: two bench shares with plots lost one share's results once; render the report here
-# with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
+# relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json, bench.log and (with WARM_S) warm.log
+# only (a device call returns at most 8 files: two bench shares with plots lost one share's results once; render
+# the report here with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
 # (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
 phase=${1:?phase: verify, tune, bench or ablation}
@@ -67,19 +69,22 @@ elif [ "$phase" = bench ]; then
     if [ "$warm" -gt 0 ]; then
         for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N)
             for n in ${lengths//,/ }; do
-                timeout "$warm" python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" \
+                TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-4} timeout "$warm" \
+                    python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" \
                     --seq-lens "$n" --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
                     --rep-ms 1 --timeout "$warm" > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
             done
         done
         wait
+        tail -n 40 /tmp/warm_bench_*.log > "$out/warm.log"  # how long each compile took
         budget=$((budget - warm))
     fi
     # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
     [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$work/attention.json"
     timeout $((budget + 30)) python3 -m relgen.bench --out "$work" --seq-lens "$lengths" \
         --systems "${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}" --flex-mode "$flex_mode" \
-        --process-per group --timeout 40 --min-reps 3 --warmup-ms 10 --rep-ms 50 --budget-s "$budget" --resume \
+        --process-per group --timeout "${MEASURE_TIMEOUT_S:-40}" --min-reps 3 --warmup-ms 10 --rep-ms 50 \
+        --budget-s "$budget" --resume \
         --mechanisms "$(IFS=,; echo "${specs[*]}")" \
         > "$out/bench.log" 2>&1
     echo "bench exit $?" >> "$out/bench.log"

@@ -437,6 +437,13 @@ def test_resume_keeps_timeouts_only_under_an_equal_or_longer_limit():
     assert not cli.settled({"status": "timeout"}, 40.0)  # records from before the limit was kept
 
 
+def test_resume_measures_compiled_peers_again_under_another_compile_mode():
+    default_mode = {"status": "ok", "compile_mode": "default"}
+    assert not cli.settled(default_mode, 40.0, "max-autotune")
+    assert cli.settled(default_mode, 40.0, "default") and cli.settled(default_mode, 40.0)
+    assert cli.settled({"status": "ok", "compile_mode": None}, 40.0, "max-autotune")  # not a compiled system
+
+
 # -- the report -------------------------------------------------------------------------------------------------
 def synthetic_records() -> list[dict]:
     rng = np.random.default_rng(0)

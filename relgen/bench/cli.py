@@ -193,8 +193,15 @@ def worker_command() -> list[str]:
     return [sys.executable, "-m", "relgen.bench.worker", "-"]
 
 
-def settled(record: dict[str, Any], timeout_s: float) -> bool:
-    """Whether --resume keeps a record: a final status, or a timeout that a rerun with this limit would repeat."""
+def settled(record: dict[str, Any], timeout_s: float, compile_mode: str | None = None) -> bool:
+    """Whether --resume keeps a record: a final status, or a timeout that a rerun with this limit would repeat.
+
+    A compiled peer's record counts only under the run's torch.compile mode (`compile_mode`; None: any), so a
+    max-autotune run measures again what a default-mode run left.
+    """
+    recorded_mode = record.get("compile_mode")
+    if compile_mode is not None and recorded_mode is not None and recorded_mode != compile_mode:
+        return False
     if record.get("status") in FINAL_STATUSES:
         return True
     return record.get("status") == "timeout" and record.get("timeout_s", 0.0) >= timeout_s
@@ -341,7 +348,7 @@ def sweep(args: argparse.Namespace, command: Callable[[], list[str]] = worker_co
     path = out / f"{results_name(args)}.json"
     records = common.load_records(path)
     if args.resume:
-        done = {common.record_key(r) for r in records if settled(r, args.timeout)}
+        done = {common.record_key(r) for r in records if settled(r, args.timeout, args.flex_mode)}
         for cfg in groups:
             cfg["measurements"] = [
                 m
