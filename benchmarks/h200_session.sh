@@ -66,13 +66,16 @@ elif [ "$phase" = bench ]; then
     # per process, so the committed runs used the default mode (FLEX_MODE=max-autotune for the protocol's)
     flex_mode=${FLEX_MODE:-default}
     work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
+    systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
     if [ "$warm" -gt 0 ]; then
-        for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N)
+        for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N), for what the state lacks
             for n in ${lengths//,/ }; do
+                mkdir -p "/tmp/warm_bench_${s}_$n"
+                [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "/tmp/warm_bench_${s}_$n/"
                 TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-4} timeout "$warm" \
-                    python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" \
+                    python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" --systems "$systems" \
                     --seq-lens "$n" --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
-                    --rep-ms 1 --timeout "$warm" > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
+                    --rep-ms 1 --timeout "$warm" --resume > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
             done
         done
         wait
@@ -82,7 +85,7 @@ elif [ "$phase" = bench ]; then
     # a run continues what an earlier call measured: its attention.json travels in .bench_state/ (git-ignored)
     [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$work/attention.json"
     timeout $((budget + 30)) python3 -m relgen.bench --out "$work" --seq-lens "$lengths" \
-        --systems "${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}" --flex-mode "$flex_mode" \
+        --systems "$systems" --flex-mode "$flex_mode" \
         --process-per group --timeout "${MEASURE_TIMEOUT_S:-40}" --min-reps 3 --warmup-ms 10 --rep-ms 50 \
         --budget-s "$budget" --resume \
         --mechanisms "$(IFS=,; echo "${specs[*]}")" \

@@ -41,6 +41,7 @@ PLAN = _rt.PlanInfo(
 SAT_HIGH = tl.constexpr(0)  # every offset ≥ U: one entry per query and per key, broadcast
 BAND = tl.constexpr(1)  # per-score gather at column s(δ)
 SAT_LOW = tl.constexpr(2)  # every offset ≤ L
+INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly inside (L, U): no predicates
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
@@ -129,6 +130,31 @@ def _query_runs(
     return m_start, m_valid, m_lo, m_hi, n_end
 
 
+@triton.jit
+def _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The interior [a, b) of the band run [hi, lo) of query tile [i0, i0+BM): key tiles whose every pair has
+    L < δ < U (none unless the query tile is full). Such a tile reads no end column and adds nothing to the
+    boundary sums, and all its queries and keys exist, so it runs without a single predicate."""
+    top = i0 + BLOCK_M - 1 + DOFF - HIGH  # δ_max < U from key tile ⌊top / BN⌋ + 1 on
+    first = tl.where(top >= 0, top // BLOCK_N + 1, 0)
+    last = tl.maximum(i0 + DOFF - LOW, 0) // BLOCK_N  # δ_min > L before key tile ⌊(i0 + DOFF − L) / BN⌋
+    a = tl.minimum(tl.maximum(first, n_hi), n_lo)
+    b = tl.minimum(tl.maximum(last, a), n_lo)
+    return a, tl.where(i0 + BLOCK_M <= Nq, b, a)
+
+
+@triton.jit
+def _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The interior [a, b) of the band run [lo, hi) of key tile [j0, j0+BN): full query tiles whose every pair has
+    L < δ < U (none unless the key tile is full); see _inner_keys."""
+    bottom = LOW - DOFF + j0 + BLOCK_N - 1  # δ_min > L from query tile ⌊bottom / BM⌋ + 1 on
+    first = tl.where(bottom >= 0, bottom // BLOCK_M + 1, 0)
+    last = tl.minimum(tl.maximum(HIGH - DOFF + j0, 0) // BLOCK_M, Nq // BLOCK_M)  # δ_max < U, full tiles
+    a = tl.minimum(tl.maximum(first, m_lo), m_hi)
+    b = tl.minimum(tl.maximum(last, a), m_hi)
+    return a, tl.where(j0 + BLOCK_N <= Nk, b, a)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # one score tile S·log2(e) for queries offs_m and keys offs_n, relation terms read according to MODE
 # ------------------------------------------------------------------------------------------------------------
@@ -208,6 +234,15 @@ def _bias_ends(bias_h, copy_map, C):
 
 
 @triton.jit
+def _band_load(ptrs, ok, EDGE: tl.constexpr):
+    """A band tile's entries: predicated on an edge tile, plain on an interior one (INNER)."""
+    if EDGE:
+        return tl.load(ptrs, mask=ok, other=0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def _transpose_if(x, COND: tl.constexpr):
     if COND:
         return tl.trans(x)
@@ -259,16 +294,16 @@ def _score_tile(
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     row_ok = offs_m < Nq
     col_ok = offs_n < Nk
-    if MODE == BAND:
+    if (MODE == BAND) or (MODE == INNER):
         # the relation terms are summed apart and added to the accumulator once: one layout conversion per tile
-        # (each gather is loaded in the layout of its contiguous direction)
+        # (each gather is loaded in the layout of its contiguous direction). An INNER tile uses no mask below
+        # (the compiler drops the unused ones) and no end column.
+        EDGE: tl.constexpr = MODE == BAND
         delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, KEY_MAJOR)
         pair_ok = _along_queries(row_ok, KEY_MAJOR) & _along_keys(col_ok, KEY_MAJOR)
         # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0)
         run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-        rel = tl.load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), mask=pair_ok, other=0.0).to(
-            tl.float32
-        )
+        rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
         qk += rel
     elif MODE == SAT_HIGH:
         qk += _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR)
@@ -561,6 +596,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
+    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     common = (
         q,
@@ -600,7 +636,43 @@ def _attn_fwd_kernel(
         PREC,
     )
     acc, l_i, m_i = _fwd_range(
-        acc, l_i, m_i, *common, n_hi, n_lo, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
+        acc, l_i, m_i, *common, n_hi, n_in, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
+    )
+    acc, l_i, m_i = _fwd_range(
+        acc,
+        l_i,
+        m_i,
+        *common,
+        n_in,
+        n_out,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        INNER,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+    )
+    acc, l_i, m_i = _fwd_range(
+        acc,
+        l_i,
+        m_i,
+        *common,
+        n_out,
+        n_lo,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        BAND,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -810,6 +882,9 @@ def _bwd_q_range(
             hi_sum += tl.sum(tds, 1)
         elif MODE == SAT_LOW:
             lo_sum += tl.sum(tds, 1)
+        elif MODE == INNER:  # every pair has an interior column of its own and adds nothing to the sums
+            run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)
+            tl.store(run[:, None] + tl.arange(0, BLOCK_N)[None, :], tds.to(dzq_rows.dtype.element_ty))
         else:
             delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, False)
             pair_ok = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
@@ -917,6 +992,7 @@ def _attn_bwd_q_kernel(
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
+    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (
         bh,
         seed,
@@ -984,6 +1060,42 @@ def _attn_bwd_q_kernel(
         lo_sum,
         *common,
         n_hi,
+        n_in,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        BAND,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+    )
+    dq, hi_sum, lo_sum = _bwd_q_range(
+        dq,
+        hi_sum,
+        lo_sum,
+        *common,
+        n_in,
+        n_out,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        INNER,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+    )
+    dq, hi_sum, lo_sum = _bwd_q_range(
+        dq,
+        hi_sum,
+        lo_sum,
+        *common,
+        n_out,
         n_lo,
         *args,
         HEAD_DIM,
@@ -1298,6 +1410,7 @@ def _attn_bwd_kv_kernel(
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
+    m_in, m_out = _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (
         bh,
         seed,
@@ -1391,6 +1504,48 @@ def _attn_bwd_kv_kernel(
         lo_sum,
         *common,
         m_lo,
+        m_in,
+        *args,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        GROUP,
+        BAND,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+        KEY_MAJOR,
+    )
+    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+        dk,
+        dv,
+        hi_sum,
+        lo_sum,
+        *common,
+        m_in,
+        m_out,
+        *args,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        GROUP,
+        INNER,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+        KEY_MAJOR,
+    )
+    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+        dk,
+        dv,
+        hi_sum,
+        lo_sum,
+        *common,
+        m_out,
         m_hi,
         *args,
         HEAD_DIM,
