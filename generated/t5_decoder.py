@@ -140,31 +140,6 @@ def _query_runs(
     return m_start, m_valid, m_lo, m_hi, n_end
 
 
-@triton.jit
-def _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The interior [a, b) of the band run [hi, lo) of query tile [i0, i0+BM): key tiles whose every pair has
-    L < δ < U (none unless the query tile is full). Such a tile reads no end column and adds nothing to the
-    boundary sums, and all its queries and keys exist, so it runs without a single predicate."""
-    top = i0 + BLOCK_M - 1 + DOFF - HIGH  # δ_max < U from key tile ⌊top / BN⌋ + 1 on
-    first = tl.where(top >= 0, top // BLOCK_N + 1, 0)
-    last = tl.maximum(i0 + DOFF - LOW, 0) // BLOCK_N  # δ_min > L before key tile ⌊(i0 + DOFF − L) / BN⌋
-    a = tl.minimum(tl.maximum(first, n_hi), n_lo)
-    b = tl.minimum(tl.maximum(last, a), n_lo)
-    return a, tl.where(i0 + BLOCK_M <= Nq, b, a)
-
-
-@triton.jit
-def _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The interior [a, b) of the band run [lo, hi) of key tile [j0, j0+BN): full query tiles whose every pair has
-    L < δ < U (none unless the key tile is full); see _inner_keys."""
-    bottom = LOW - DOFF + j0 + BLOCK_N - 1  # δ_min > L from query tile ⌊bottom / BM⌋ + 1 on
-    first = tl.where(bottom >= 0, bottom // BLOCK_M + 1, 0)
-    last = tl.minimum(tl.maximum(HIGH - DOFF + j0, 0) // BLOCK_M, Nq // BLOCK_M)  # δ_max < U, full tiles
-    a = tl.minimum(tl.maximum(first, m_lo), m_hi)
-    b = tl.minimum(tl.maximum(last, a), m_hi)
-    return a, tl.where(j0 + BLOCK_N <= Nk, b, a)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # one score tile S·log2(e) for queries offs_m and keys offs_n, relation terms read according to MODE
 # ------------------------------------------------------------------------------------------------------------
@@ -615,7 +590,6 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     common = (
         q,
@@ -655,43 +629,7 @@ def _attn_fwd_kernel(
         PREC,
     )
     acc, l_i, m_i = _fwd_range(
-        acc, l_i, m_i, *common, n_hi, n_in, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_in,
-        n_out,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        INNER,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_out,
-        n_lo,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
+        acc, l_i, m_i, *common, n_hi, n_lo, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -901,9 +839,6 @@ def _bwd_q_range(
             hi_sum += tl.sum(tds, 1)
         elif MODE == SAT_LOW:
             lo_sum += tl.sum(tds, 1)
-        elif MODE == INNER:  # every pair has an interior column of its own and adds nothing to the sums
-            run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)
-            tl.store(run[:, None] + tl.arange(0, BLOCK_N)[None, :], tds.to(dzq_rows.dtype.element_ty))
         else:
             delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, False)
             pair_ok = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
@@ -1011,7 +946,6 @@ def _attn_bwd_q_kernel(
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (
         bh,
         seed,
@@ -1079,42 +1013,6 @@ def _attn_bwd_q_kernel(
         lo_sum,
         *common,
         n_hi,
-        n_in,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_in,
-        n_out,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        INNER,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_out,
         n_lo,
         *args,
         HEAD_DIM,
@@ -1429,7 +1327,6 @@ def _attn_bwd_kv_kernel(
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    m_in, m_out = _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
     args = (
         bh,
         seed,
@@ -1523,48 +1420,6 @@ def _attn_bwd_kv_kernel(
         lo_sum,
         *common,
         m_lo,
-        m_in,
-        *args,
-        HEAD_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_in,
-        m_out,
-        *args,
-        HEAD_DIM,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        INNER,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_out,
         m_hi,
         *args,
         HEAD_DIM,
