@@ -13,7 +13,7 @@
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
 #                                                                two GPUs can each take a share: see NOTES.md;
 #                                                                SYSTEMS=relgen,sdpa_plain the systems;
-#                                                                FLEX_MODE=max-autotune the compiled peers' mode;
+#                                                                FLEX_MODE=default the compiled peers' mode;
 #                                                                WARM_THREADS inductor's compile workers per
 #                                                                compile-only process; MEASURE_TIMEOUT_S)
 #   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
@@ -62,9 +62,9 @@ elif [ "$phase" = bench ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}
     warm=${WARM_S:-0}  # seconds of parallel compile-only runs first (torch.compile and Triton disk caches)
-    # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for minutes
-    # per process, so the committed runs used the default mode (FLEX_MODE=max-autotune for the protocol's)
-    flex_mode=${FLEX_MODE:-default}
+    # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for 30-90 s
+    # per graph, so give it WARM_S; FLEX_MODE=default is the faster, non-protocol choice of the earlier sessions
+    flex_mode=${FLEX_MODE:-max-autotune}
     work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
     systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
     if [ "$warm" -gt 0 ]; then

@@ -437,6 +437,14 @@ def test_resume_keeps_timeouts_only_under_an_equal_or_longer_limit():
     assert not cli.settled({"status": "timeout"}, 40.0)  # records from before the limit was kept
 
 
+def test_report_marks_compiled_peers_outside_the_protocols_mode():
+    ok = {"status": "ok", "ms": 1.0, "relative_terms": True, "exact": True}
+    assert report._cell(dict(ok, compile_mode="default"), "ms", None, str).endswith("°")
+    assert not report._cell(dict(ok, compile_mode="max-autotune"), "ms", None, str).endswith("°")
+    assert not report._cell(dict(ok, compile_mode=None), "ms", None, str).endswith("°")  # not a compiled system
+    assert report._cell({"status": "timeout", "compile_mode": "default"}, "ms", None, str) == "t/o°"
+
+
 def test_resume_measures_compiled_peers_again_under_another_compile_mode():
     default_mode = {"status": "ok", "compile_mode": "default"}
     assert not cli.settled(default_mode, 40.0, "max-autotune")

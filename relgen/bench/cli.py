@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--flex-mode",
         choices=("max-autotune", "default", "none"),
-        default="max-autotune",
+        default=common.PROTOCOL_COMPILE_MODE,
         help="torch.compile mode of the compiled peers: max-autotune-no-cudagraphs (the paper's), the default mode, "
         "or none (no compilation; debugging only)",
     )

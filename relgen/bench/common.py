@@ -17,6 +17,8 @@ from relgen.spec import MechanismSpec, load_spec
 #: The paper's sweep (§5.2): a 16K-token budget, B = TOKENS / N.
 SEQ_LENS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_SEQ_LENS: tuple[int, ...] = (512, 8192)
+#: The protocol's torch.compile mode for the compiled peers (peers.COMPILE_MODES: max-autotune-no-cudagraphs).
+PROTOCOL_COMPILE_MODE = "max-autotune"
 TOKENS = 16384
 HEADS = 12
 HEAD_DIM = 64

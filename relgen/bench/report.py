@@ -17,6 +17,7 @@ from relgen.bench.common import (
     FASTEST_FROM,
     MECHANISMS,
     PASSES,
+    PROTOCOL_COMPILE_MODE,
     STRETCH_FRACTION,
     STRETCH_MECHANISMS,
     SYSTEMS,
@@ -95,7 +96,7 @@ def _cell(record: dict[str, Any] | None, field: str, best: float | None, fmt) ->
         return "–"
     status = record.get("status", "error")
     if status != "ok":
-        return STATUS_MARKS.get(status, status)
+        return STATUS_MARKS.get(status, status) + _mode_mark(record)
     value = record.get(field)
     if value is None:
         return "?"
@@ -106,7 +107,13 @@ def _cell(record: dict[str, Any] | None, field: str, best: float | None, fmt) ->
         text += "†"
     elif record.get("exact") is None:
         text += "‡"  # timed with --no-check: exactness not judged in this record
-    return text
+    return text + _mode_mark(record)
+
+
+def _mode_mark(record: dict[str, Any]) -> str:
+    """° on a compiled peer's record taken in another torch.compile mode than the protocol's."""
+    mode = record.get("compile_mode")
+    return "°" if mode is not None and mode != PROTOCOL_COMPILE_MODE else ""
 
 
 def _table(
@@ -324,7 +331,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
         "forward state).",
         "",
         "**bold**: fastest / leanest system with relative terms; †: fails the FP32 check (relgen.testing.check_close); "
-        "‡: not checked (timed with --no-check); "
+        "‡: not checked (timed with --no-check); °: compiled in torch.compile's default mode, not the protocol's "
+        "max-autotune-no-cudagraphs; "
         "oom: out of memory; err: error; t/o: timed out; n/s: unsupported; –: not run. "
         f"Processes: one per {', '.join(modes) or '?'}; torch.compile mode: {', '.join(compile_modes) or 'n/a'}.",
     ]
