@@ -36,7 +36,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 
 if [ "$phase" = verify ]; then
-    timeout "${VERIFY_S:-540}" python3 -m pytest -q -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
+    # -v: each test's outcome is logged as it finishes, so a run cut by the timeout still names its failures
+    timeout "${VERIFY_S:-540}" python3 -m pytest -v -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
         -p no:cacheprovider -rfE > "$out/gpu_tests.log" 2>&1
     echo "tests exit $?" >> "$out/gpu_tests.log"
     tail -5 "$out/gpu_tests.log"
