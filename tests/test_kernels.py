@@ -70,6 +70,21 @@ def test_key_pass_orientations_are_exact(name, key_major):
     assert_all_close(results, f"{name} key pass {tiles}")
 
 
+@pytest.mark.parametrize("name", ["deberta_v3", "txl"])
+def test_interior_band_tiles_with_the_gpus_tiles(name):
+    """Interior band tiles (INNER: no predicates) with the H200 table's tiles, which the interpreter's defaults do not
+    use: a partial last query tile, Nq ≠ Nk, and key-pass query tiles of 32 rows against 64 keys."""
+    from relgen import tuning
+
+    spec = relgen.load_spec(spec_path(name))
+    terms = tuple(relgen.compile_mechanism(spec).module.PLAN.terms)
+    config = tuning.table_config("90", terms, torch.float16, 64, 512)
+    assert config is not None
+    inputs = make_inputs(spec, b=1, h=1, nq=300, nk=270, d=64, device=DEVICE, seed=11)
+    with override_config(config):
+        assert_all_close(compare(spec, inputs), f"{name} {config}")
+
+
 def test_key_major_tiles_are_the_key_pass_only():
     with pytest.raises(ValueError, match="key_major tiles are the key pass's only"):
         dataclasses.replace(INTERPRETER_CONFIG, backward=AttnTiles(16, 32, key_major=True)).check()
