@@ -341,6 +341,15 @@ def _band_load(ptrs, ok, EDGE: tl.constexpr):
 
 
 @triton.jit
+def _band_store(ptrs, x, ok, EDGE: tl.constexpr):
+    """A band tile's dZ̃ entries (see _band_load)."""
+    if EDGE:
+        tl.store(ptrs, x, mask=ok)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
 def _transpose_if(x, COND: tl.constexpr):
     if COND:
         return tl.trans(x)
@@ -993,18 +1002,18 @@ def _bwd_q_range(
             hi_sum += tl.sum(tds, 1)
         elif MODE == SAT_LOW:
             lo_sum += tl.sum(tds, 1)
-        elif MODE == INNER:  # every pair has an interior column of its own and adds nothing to the sums
-            run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)
-            tl.store(run[:, None] + tl.arange(0, BLOCK_N)[None, :], tds.to(dzq_rows.dtype.element_ty))
         else:
             delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, False)
             pair_ok = (offs_m[:, None] < Nq) & (offs_n[None, :] < Nk)
-            # interior columns have exactly one writer: for a fixed query, key ↦ offset is one-to-one
+            # interior columns have exactly one writer: for a fixed query, key ↦ offset is one-to-one. An INNER
+            # tile's pairs are all interior and present, and reach neither boundary sum
+            EDGE: tl.constexpr = MODE == BAND
             interior = (delta > LOW) & (delta < HIGH)
             run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-            tl.store(run[:, None] + u[None, :], tds.to(dzq_rows.dtype.element_ty), mask=pair_ok & interior)
-            lo_sum += tl.sum(tl.where(delta <= LOW, tds, 0.0), 1)
-            hi_sum += tl.sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), 1)
+            _band_store(run[:, None] + u[None, :], tds.to(dzq_rows.dtype.element_ty), pair_ok & interior, EDGE)
+            if EDGE:
+                lo_sum += tl.sum(tl.where(delta <= LOW, tds, 0.0), 1)
+                hi_sum += tl.sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), 1)
     return dq, hi_sum, lo_sum
 
 
@@ -1420,22 +1429,22 @@ def _bwd_kv_range(
             hi_sum += _per_key_sum(tds, KEY_MAJOR)
         elif MODE == SAT_LOW:
             lo_sum += _per_key_sum(tds, KEY_MAJOR)
-        elif MODE == INNER:  # see _bwd_q_range
-            run = dzk_rows - offs_n + (DOFF - LOW - t0)
-            tl.store(_along_keys(run, KEY_MAJOR) + _along_queries(offs_m, KEY_MAJOR), tds.to(dzk_rows.dtype.element_ty))
         else:
             delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, KEY_MAJOR)
             pair_ok = _along_queries(row_ok, KEY_MAJOR) & _along_keys(offs_n < Nk, KEY_MAJOR)
-            # for a fixed key, query ↦ offset is one-to-one: one writer per interior column
+            # for a fixed key, query ↦ offset is one-to-one: one writer per interior column (INNER: see _bwd_q_range)
+            EDGE: tl.constexpr = MODE == BAND
             interior = (delta > LOW) & (delta < HIGH)
             run = dzk_rows - offs_n + (DOFF - LOW - t0)  # key j's entry for query 0
-            tl.store(
+            _band_store(
                 _along_keys(run, KEY_MAJOR) + _along_queries(offs_m, KEY_MAJOR),
                 tds.to(dzk_rows.dtype.element_ty),
-                mask=pair_ok & interior,
+                pair_ok & interior,
+                EDGE,
             )
-            lo_sum += _per_key_sum(tl.where(delta <= LOW, tds, 0.0), KEY_MAJOR)
-            hi_sum += _per_key_sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), KEY_MAJOR)
+            if EDGE:
+                lo_sum += _per_key_sum(tl.where(delta <= LOW, tds, 0.0), KEY_MAJOR)
+                hi_sum += _per_key_sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), KEY_MAJOR)
     return dk, dv, hi_sum, lo_sum
 
 
