@@ -48,7 +48,7 @@ def record(
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
         params = list(inspect.signature(fn).parameters.values())
-        signature, constexprs, aligned = {}, {}, []
+        signature, constexprs, aligned, ones = {}, {}, [], []
         values = dict(zip([p.name for p in params], args, strict=False))
         values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
         for p in params:
@@ -64,7 +64,9 @@ def record(
                 signature[p.name] = "i1"
             elif isinstance(value, int):
                 signature[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-                if value % 16 == 0:  # Triton's launcher specializes such integers on divisibility by 16
+                if value == 1:  # the launcher compiles an integer equal to 1 as that constant
+                    ones.append(p.name)
+                elif value % 16 == 0:  # Triton's launcher specializes such integers on divisibility by 16
                     aligned.append(p.name)
             else:
                 signature[p.name] = "fp32"
@@ -75,6 +77,9 @@ def record(
                 "signature": signature,
                 "constexprs": constexprs,
                 "aligned": aligned,
+                "ones": ones,
+                # the launched object's own list: a kernel's twin may leave other integers to run time
+                "runtime_ints": list(self.kwargs.get("do_not_specialize") or []),
                 "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 2),
             }
@@ -113,7 +118,11 @@ def record(
         out.sum().backward()
     seen, unique = set(), []
     for launch in launches:
-        key = json.dumps([launch["kernel"], launch["signature"], launch["constexprs"]], sort_keys=True, default=str)
+        key = json.dumps(
+            [launch["kernel"], launch["signature"], launch["constexprs"], launch["runtime_ints"]],
+            sort_keys=True,
+            default=str,
+        )
         if key not in seen:
             seen.add(key)
             unique.append(launch)
@@ -174,14 +183,17 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
-        # the divisibility hints Triton's launcher would give (parameters marked do_not_specialize get none)
+        # the specialisations Triton's launcher would make (none for parameters marked do_not_specialize)
         names = [p.name for p in fn.params]
+        runtime_ints = set(launch["runtime_ints"])
         attrs = {
-            (names.index(name),): [["tt.divisibility", 16]]
-            for name in launch["aligned"]
-            if not fn.params[names.index(name)].do_not_specialize
+            (names.index(name),): [["tt.divisibility", 16]] for name in launch["aligned"] if name not in runtime_ints
         }
-        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
+        signature, constexprs = dict(launch["signature"]), dict(launch["constexprs"])
+        for name in launch["ones"]:
+            if name not in runtime_ints:
+                signature[name], constexprs[name] = "constexpr", 1
+        src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
         opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)

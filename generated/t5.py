@@ -57,6 +57,14 @@ INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
+# integer arguments the attention kernels leave to run time (Triton specialises an integer on being 1 or a multiple
+# of 16): window sizes and strides, which vary with N inside a bucket
+_FWD_RUNTIME = ["C", "WQ", "WK", "ZSQ_A", "ZSK_A"]
+_BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
+# the sequence lengths keep their specialisation (a multiple of 16 is a hint the kernels compile better with),
+# except when one is 1: compiled as that constant, the query pass of a 64x64 8-warp tile crashes ptxas (CUDA 12.8,
+# sm_90a: SIGSEGV), so calls with a length of 1 launch twins that take every length at run time
+_LENGTHS = ["Nq_all", "Nk_all"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -521,7 +529,7 @@ def _fwd_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A"])
+@triton.jit(do_not_specialize=_FWD_RUNTIME)
 def _attn_fwd_kernel(
     Q,
     K,
@@ -865,7 +873,7 @@ def _bwd_q_range(
     return dq, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "WDZ_A"])
+@triton.jit(do_not_specialize=_BWD_RUNTIME)
 def _attn_bwd_q_kernel(
     Q,
     K,
@@ -1238,7 +1246,7 @@ def _bwd_kv_range(
     return dk, dv, hi_sum, lo_sum
 
 
-@triton.jit(do_not_specialize=["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "WDZ_A"])
+@triton.jit(do_not_specialize=_BWD_RUNTIME)
 def _attn_bwd_kv_kernel(
     Q,
     K,
@@ -1650,9 +1658,19 @@ def _fold_copies_kernel(
         tl.store(DBIAS + h * R + r + tl.arange(0, 1), acc_b.to(DBIAS.dtype.element_ty))
 
 
+_attn_fwd_any_length = triton.jit(_attn_fwd_kernel.fn, do_not_specialize=_FWD_RUNTIME + _LENGTHS)
+_attn_bwd_q_any_length = triton.jit(_attn_bwd_q_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS)
+_attn_bwd_kv_any_length = triton.jit(_attn_bwd_kv_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------------------
+def _for_lengths(kernel, any_length, geo):
+    """`kernel`, or its twin without length specialisation when a length is 1 (see _LENGTHS)."""
+    return any_length if 1 in (geo.nq, geo.nk) else kernel
+
+
 def _strides(t):
     """(batch, head, token) strides: [B, H, N, d] tensors, or packed [total, H, d] ones (no batch stride)."""
     return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
@@ -1734,7 +1752,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     dummy = lse2
     bias_vec = expanded.bias if True else None
     grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
-    _attn_fwd_kernel[grid](
+    _for_lengths(_attn_fwd_kernel, _attn_fwd_any_length, geo)[grid](
         q,
         k,
         v,
@@ -1920,7 +1938,8 @@ def _backward(do, saved, geo, cfg):
     # query-parallel pass, then its reduction (dQ += dZ̃^Q·Ã^Q, dÃ^Q, db̃)
     dq = torch.empty_like(q)
     dzq = dz.query_view() if True else dummy
-    _attn_bwd_q_kernel[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
+    bwd_q = _for_lengths(_attn_bwd_q_kernel, _attn_bwd_q_any_length, geo)
+    bwd_q[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         q,
         k,
         v,
@@ -1959,7 +1978,8 @@ def _backward(do, saved, geo, cfg):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     ck = cfg.key_pass
-    _attn_bwd_kv_kernel[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.heads)](
+    bwd_kv = _for_lengths(_attn_bwd_kv_kernel, _attn_bwd_kv_any_length, geo)
+    bwd_kv[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.heads)](
         q,
         k,
         v,

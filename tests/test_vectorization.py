@@ -1,4 +1,5 @@
-"""Memory-access widths of the compiled kernels (sm_90 PTX, compiled here without a GPU).
+"""The kernels compiled for sm_90 here without a GPU (Triton's bundled ptxas): memory-access widths, and
+compilation itself at edge lengths.
 
 The projection's stores and the reductions' dZ̃ loads stream whole rows: they must stay 16-byte vector accesses
 (the table reduction's where every window starts on a multiple of 16 columns). A 2-byte scalar access there
@@ -16,21 +17,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def memory_ops(spec: str, seq_len: int) -> dict[str, list[str]]:
-    """Kernel name → compile_check's count of global accesses by width ("st.v4.b32:8 ..."), one per launch."""
+def compile_check(spec: str, seq_len: int, *options: str) -> str:
+    """benchmarks/compile_check.py's report: one line per launched kernel, "ok …" or "FAIL …"."""
+    import triton.backends.nvidia
+
+    if not (Path(triton.backends.nvidia.__file__).parent / "bin" / "ptxas").exists():
+        pytest.skip("no ptxas to compile for sm_90 here")
     script, spec_file = ROOT / "benchmarks" / "compile_check.py", ROOT / "specs" / spec
     done = subprocess.run(
-        [sys.executable, str(script), str(spec_file), "--memory-ops", "--seq-len", str(seq_len)],
+        [sys.executable, str(script), str(spec_file), "--seq-len", str(seq_len), *options],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
-    if "ptxas" in done.stderr and done.returncode:
-        pytest.skip("no ptxas to compile for sm_90 here")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def memory_ops(spec: str, seq_len: int) -> dict[str, list[str]]:
+    """Kernel name → compile_check's count of global accesses by width ("st.v4.b32:8 ..."), one per launch."""
     ops, kernel = {}, None
-    for line in done.stdout.splitlines():
+    for line in compile_check(spec, seq_len, "--memory-ops").splitlines():
         match = re.match(r"ok\s+(\w+)", line)
         if match:
             kernel = match.group(1)
@@ -66,3 +74,13 @@ def test_streaming_kernels_use_vector_accesses(spec, seq_len):
         for usage in ops[f"{name} usage"]:
             regs, spilled = (int(x) for x in usage.split())
             assert regs <= 255 and spilled == 0, (name, usage)
+
+
+@pytest.mark.parametrize("spec", ["txl.yaml", "deberta_v3.yaml"])
+def test_one_query_and_one_key_compile(spec):
+    """Triton compiles an integer argument equal to 1 as that constant: with Nq = Nk = 1 so compiled, ptxas crashed
+    (SIGSEGV) on TXL's query pass with the H200 table's 64x64 8-warp tiles (the GPU suite, seventh session).
+    compile_check specialises as the launcher does, on the tiles the table gives that length."""
+    report = compile_check(spec, 1, "--config-for", "1")
+    kernels = re.findall(r"^ok\s+(\w+)", report, re.MULTILINE)
+    assert {"_attn_fwd_kernel", "_attn_bwd_q_kernel", "_attn_bwd_kv_kernel"} <= set(kernels), report
