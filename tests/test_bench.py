@@ -334,7 +334,10 @@ import json, sys, time
 cfg = json.loads(sys.stdin.read())
 for m in cfg["measurements"]:
     print("RELGEN_BENCH_START " + json.dumps({k: m.get(k) for k in ("system", "pass", "variant")}), flush=True)
-    if m["system"] == "flex":
+    if m["system"] == "flex":  # never built
+        time.sleep(30)
+    if m["system"] == "compiled":  # built, then the timing never ends
+        print("RELGEN_BENCH_BUILT " + json.dumps({"warmup_s": 0.1}), flush=True)
         time.sleep(30)
     if m["system"] == "sdpa":
         print("boom", file=sys.stderr, flush=True)
@@ -350,14 +353,17 @@ def test_run_group_survives_crash_and_timeout(tmp_path):
     script.write_text(FAKE_WORKER)
     measurements = [
         {"system": s, "pass": "fwd", "variant": None, "order": i}
-        for i, s in enumerate(["eager", "flex", "sdpa", "relgen"])
+        for i, s in enumerate(["eager", "flex", "sdpa", "compiled", "relgen"])
     ]
     cfg = _cfg("shaw_small", measurements=measurements)
     cfg["measurements"] = measurements
     log = tmp_path / "logs" / "w.log"
     records = list(cli.run_group(cfg, 1.0, log, command=lambda: [sys.executable, str(script)]))
     status = {r["system"]: r["status"] for r in records}
-    assert status == {"eager": "ok", "flex": "timeout", "sdpa": "error", "relgen": "ok"}
+    assert status == {"eager": "ok", "flex": "timeout", "sdpa": "error", "compiled": "timeout", "relgen": "ok"}
+    phase = {r["system"]: r.get("phase") for r in records if r["status"] == "timeout"}
+    assert phase == {"flex": "build", "compiled": "timing"}
+    assert "while building" in next(r for r in records if r["system"] == "flex")["error"]
     crashed = next(r for r in records if r["system"] == "sdpa")
     assert "code 3" in crashed["error"] and "boom" in crashed["error"]
     assert crashed["flops"] > 0 and crashed["batch"] == 2  # failure records carry the full set of fields
@@ -435,6 +441,20 @@ def test_resume_keeps_timeouts_only_under_an_equal_or_longer_limit():
     assert cli.settled(timed_out, 40.0) and cli.settled(timed_out, 30.0)
     assert not cli.settled(timed_out, 60.0)  # a longer limit may let it finish: measure again
     assert not cli.settled({"status": "timeout"}, 40.0)  # records from before the limit was kept
+    assert not cli.settled(dict(timed_out, phase="build"), 30.0)  # warmer compile caches may get it to the timing
+    assert cli.settled(dict(timed_out, phase="timing"), 40.0)
+
+
+def test_merge_keeps_a_measurement_over_a_later_timeout_while_building():
+    key = {"mechanism": "t5", "system": "flex_decomp", "variant": None, "seq_len": 2048, "pass": "bwd"}
+    measured = dict(key, status="ok", ms=353.1, compile_mode="default", timestamp="2026-11-29T14:00:00")
+    building = dict(key, status="timeout", phase="build", compile_mode="max-autotune", timestamp="2026-11-29T21:00:00")
+    timing = dict(building, phase="timing")
+    assert common.newest_records([measured], [building]) == [measured]
+    assert common.newest_records([building], [measured]) == [measured]
+    assert common.newest_records([measured], [timing]) == [timing]  # it ran, and ran too long: that is a result
+    later = dict(building, timestamp="2026-11-29T22:00:00")
+    assert common.newest_records([building], [later]) == [later]
 
 
 def test_report_marks_compiled_peers_outside_the_protocols_mode():

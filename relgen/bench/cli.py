@@ -27,6 +27,7 @@ from typing import Any
 from relgen.bench import common, report
 from relgen.bench.common import (
     ABLATIONS,
+    BUILT_MARK,
     MECHANISMS,
     PASSES,
     QUICK_SEQ_LENS,
@@ -197,13 +198,16 @@ def settled(record: dict[str, Any], timeout_s: float, compile_mode: str | None =
     """Whether --resume keeps a record: a final status, or a timeout that a rerun with this limit would repeat.
 
     A compiled peer's record counts only under the run's torch.compile mode (`compile_mode`; None: any), so a
-    max-autotune run measures again what a default-mode run left.
+    max-autotune run measures again what a default-mode run left. A timeout while building (compiling,
+    autotuning) is never final: with warmer compile caches a rerun can get to the timing.
     """
     recorded_mode = record.get("compile_mode")
     if compile_mode is not None and recorded_mode is not None and recorded_mode != compile_mode:
         return False
     if record.get("status") in FINAL_STATUSES:
         return True
+    if common.killed_while_building(record):
+        return False
     return record.get("status") == "timeout" and record.get("timeout_s", 0.0) >= timeout_s
 
 
@@ -260,6 +264,7 @@ def run_group(
                 lines: queue.Queue[str | None] = queue.Queue()
                 threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
                 current: dict[str, Any] | None = None
+                built = False  # whether `current`'s system got through its build and warm-up
                 deadline = time.monotonic() + timeout_s
                 outcome = "exited"
                 while True:
@@ -276,7 +281,10 @@ def run_group(
                     if line.startswith(START_MARK):
                         payload = json.loads(line[len(START_MARK) :])
                         current = next((m for m in remaining if _same(m, payload)), None)
+                        built = False
                         deadline = time.monotonic() + timeout_s
+                    elif line.startswith(BUILT_MARK):
+                        built = True
                     elif line.startswith(RECORD_MARK):
                         record = json.loads(line[len(RECORD_MARK) :])
                         done = next((m for m in remaining if _same(m, record)), None)
@@ -296,8 +304,10 @@ def run_group(
         failed = current or remaining[0]
         remaining.remove(failed)
         if outcome == "timeout":
-            record = failure_record(cfg, failed, "timeout", f"no record within {timeout_s:.0f} s (killed)")
-            yield {**record, "timeout_s": timeout_s}
+            phase = "timing" if built else "build"
+            what = "timing" if built else "building (compiling, autotuning, warming up)"
+            record = failure_record(cfg, failed, "timeout", f"no record within {timeout_s:.0f} s (killed while {what})")
+            yield {**record, "timeout_s": timeout_s, "phase": phase}
         else:
             yield failure_record(cfg, failed, "error", f"worker exited with code {rc}: {_tail(log_path)}")
 

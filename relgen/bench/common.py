@@ -86,6 +86,8 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "flo
 #: Marker of a worker's stdout lines that carry data for the parent.
 RECORD_MARK = "RELGEN_BENCH_RECORD "
 START_MARK = "RELGEN_BENCH_START "
+#: The current measurement's system is built and warmed up (compiled, autotuned): timing starts.
+BUILT_MARK = "RELGEN_BENCH_BUILT "
 
 
 def repo_root() -> Path:
@@ -182,16 +184,30 @@ def merge_records(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
     return list(merged.values())
 
 
+def killed_while_building(record: dict[str, Any]) -> bool:
+    """A timeout before the system was built (compiled, autotuned): it says nothing about the system's speed."""
+    return record.get("status") == "timeout" and record.get("phase") == "build"
+
+
 def newest_records(*lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Union of result files from runs that resumed one state in parallel (one GPU each): per key the record with
-    the latest timestamp wins, so a share's fresh measurement beats another share's copy of the old state."""
+    the latest timestamp wins, so a share's fresh measurement beats another share's copy of the old state; but a
+    timeout while building never displaces a measurement, whichever is newer."""
     merged: dict[tuple, dict[str, Any]] = {}
     for records in lists:
         for record in records:
             key = record_key(record)
-            if key not in merged or str(record.get("timestamp", "")) > str(merged[key].get("timestamp", "")):
+            if key not in merged or _replaces(record, merged[key]):
                 merged[key] = record
     return list(merged.values())
+
+
+def _replaces(new: dict[str, Any], old: dict[str, Any]) -> bool:
+    if killed_while_building(new) != killed_while_building(old):
+        measured = old if killed_while_building(new) else new
+        if measured.get("status") == "ok":
+            return measured is new
+    return str(new.get("timestamp", "")) > str(old.get("timestamp", ""))
 
 
 def check_close(actual, expected, dtype, *, on_device: bool = True) -> tuple[bool, str]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from relgen.bench import common
-from relgen.bench.common import DTYPES, RECORD_MARK, START_MARK, SYSTEMS, check_close, credited_flops
+from relgen.bench.common import BUILT_MARK, DTYPES, RECORD_MARK, START_MARK, SYSTEMS, check_close, credited_flops
 from relgen.spec import load_spec
 
 #: The reference is computed in query blocks whose largest tensors stay within this many bytes (it runs after the
@@ -276,6 +276,7 @@ def _run_system(
         run()
     synchronize(device)
     record["warmup_s"] = round(time.perf_counter() - started, 3)
+    emit(BUILT_MARK, {"warmup_s": record["warmup_s"]})
     value, peak = measure_peak(run, device)
     if measurement["pass"] == "fwd":
         result = {"out": value.detach()}

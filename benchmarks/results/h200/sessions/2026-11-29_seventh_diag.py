@@ -1,5 +1,7 @@
 """GPU diagnosis of test_half_precision_small[txl-1-dtype0]: the comparison under each tile source, repeated."""
+
 import json
+from pathlib import Path
 
 import torch
 
@@ -10,19 +12,26 @@ from relgen.verify import compare, make_inputs
 
 
 def from_entry(e):
-    return KernelConfig(group=e["group"], forward=AttnTiles(**e["forward"]), backward=AttnTiles(**e["backward"]),
-                        project=ProjectTiles(**e["project"]), reduce=ReduceTiles(**e["reduce"]),
-                        backward_kv=AttnTiles(**e["backward_kv"]) if e.get("backward_kv") else None)
+    return KernelConfig(
+        group=e["group"],
+        forward=AttnTiles(**e["forward"]),
+        backward=AttnTiles(**e["backward"]),
+        project=ProjectTiles(**e["project"]),
+        reduce=ReduceTiles(**e["reduce"]),
+        backward_kv=AttnTiles(**e["backward_kv"]) if e.get("backward_kv") else None,
+    )
 
 
-old = json.load(open(".bench_state/sm90_7784871.json"))
+old = json.loads(Path(".bench_state/sm90_7784871.json").read_text())
 for name, n in [("txl", 1), ("txl", 17), ("shaw", 1), ("deberta_v3", 1)]:
     spec = relgen.load_spec(f"specs/{name}.yaml")
     terms = tuple(relgen.compile_mechanism(spec).module.PLAN.terms)
     key = tuning.table_key(terms, torch.float16, 64, n)
-    configs = {"table": tuning.table_config("90", terms, torch.float16, 64, n),
-               "old_table": from_entry(old[key]) if key in old else None,
-               "heuristic": default_config(torch.float16, 64, n, terms)}
+    configs = {
+        "table": tuning.table_config("90", terms, torch.float16, 64, n),
+        "old_table": from_entry(old[key]) if key in old else None,
+        "heuristic": default_config(torch.float16, 64, n, terms),
+    }
     for label, cfg in configs.items():
         if cfg is None:
             continue
