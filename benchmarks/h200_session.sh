@@ -69,14 +69,22 @@ elif [ "$phase" = bench ]; then
     work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
     systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
     if [ "$warm" -gt 0 ]; then
-        for s in "${specs[@]}"; do  # one compile-only process per (mechanism, N), for what the state lacks
+        # one compile-only process per (mechanism, N, compiled system), and one for the rest of a (mechanism, N):
+        # a max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind
+        # each other (seventh session); only what the state lacks is compiled (--resume)
+        shares=$(echo "$systems" | tr ',' '\n' | grep -xE 'flex|flex_decomp|compiled' | tr '\n' ' ')
+        rest=$(echo "$systems" | tr ',' '\n' | grep -vxE 'flex|flex_decomp|compiled' | paste -sd, -)
+        for s in "${specs[@]}"; do
             for n in ${lengths//,/ }; do
-                mkdir -p "/tmp/warm_bench_${s}_$n"
-                [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "/tmp/warm_bench_${s}_$n/"
-                TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-4} timeout "$warm" \
-                    python3 -m relgen.bench --out "/tmp/warm_bench_${s}_$n" --mechanisms "$s" --systems "$systems" \
-                    --seq-lens "$n" --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
-                    --rep-ms 1 --timeout "$warm" --resume > "/tmp/warm_bench_${s}_$n.log" 2>&1 &
+                for share in $shares $rest; do
+                    d="/tmp/warm_bench_${s}_${n}_${share//,/+}"
+                    mkdir -p "$d"
+                    [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$d/"
+                    TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-4} nice -n 10 timeout "$warm" \
+                        python3 -m relgen.bench --out "$d" --mechanisms "$s" --systems "$share" --seq-lens "$n" \
+                        --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
+                        --rep-ms 1 --timeout "$warm" --resume > "$d.log" 2>&1 &
+                done
             done
         done
         wait
