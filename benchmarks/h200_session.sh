@@ -72,8 +72,9 @@ elif [ "$phase" = bench ]; then
         # one compile-only process per (mechanism, N, compiled system), and one for the rest of a (mechanism, N):
         # a max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind
         # each other (seventh session); only what the state lacks is compiled (--resume)
-        shares=$(echo "$systems" | tr ',' '\n' | grep -xE 'flex|flex_decomp|compiled' | tr '\n' ' ')
-        rest=$(echo "$systems" | tr ',' '\n' | grep -vxE 'flex|flex_decomp|compiled' | paste -sd, -)
+        compiled='flex|flex_decomp|compiled'  # the systems torch.compile builds (SYSTEMS[...]["compiled"])
+        shares=$(echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' ')
+        rest=$(echo "$systems" | tr ',' '\n' | grep -vxE "$compiled" | paste -sd, -)
         for s in "${specs[@]}"; do
             for n in ${lengths//,/ }; do
                 for share in $shares $rest; do

@@ -203,10 +203,10 @@ def newest_records(*lists: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _replaces(new: dict[str, Any], old: dict[str, Any]) -> bool:
-    if killed_while_building(new) != killed_while_building(old):
-        measured = old if killed_while_building(new) else new
-        if measured.get("status") == "ok":
-            return measured is new
+    if killed_while_building(new) and old.get("status") == "ok":
+        return False
+    if killed_while_building(old) and new.get("status") == "ok":
+        return True
     return str(new.get("timestamp", "")) > str(old.get("timestamp", ""))
 
 
