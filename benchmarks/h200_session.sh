@@ -32,8 +32,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
 read -r -a specs <<< "${MECHS:-shaw txl deberta_v3 t5}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
-# the device's copy of .git can be stale: fingerprint the sources that ran instead
-echo "sources sha256: $(cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
+# the device's copy of .git can be stale: fingerprint the sources that ran instead (files in C-locale order: the
+# device's locale sorts "__init__.py" elsewhere, which changed the fingerprint of the same files)
+echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 
 if [ "$phase" = verify ]; then
     # -v: each test's outcome is logged as it finishes, so a run cut by the timeout still names its failures
