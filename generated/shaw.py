@@ -1888,7 +1888,7 @@ def _project(x, table, bias, geo, cfg, query_side):
 def _projections(q, k, expanded, geo, cfg):
     """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have."""
     zq = zk = zqe = zke = None
-    zq, zqe = _project(q, expanded.aq, expanded.bias if False else None, geo, cfg, True)
+    zq, zqe = _project(q, expanded.aq, None, geo, cfg, True)
     return zq, zk, zqe, zke
 
 
@@ -1906,7 +1906,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     lse2 = torch.empty(geo.token_rows(True), device=q.device, dtype=torch.float32)
     c = cfg.forward
     dummy = lse2
-    bias_vec = expanded.bias if False else None
+    bias_vec = None
     grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
     _for_lengths(_attn_fwd_kernel, _attn_fwd_any_length, geo)[grid](
         q,
@@ -1917,7 +1917,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         *(_or(z, dummy) for z in projections),
         _or(bias_vec, dummy),
         _or(kpm, dummy),
-        geo.copy_map_tensor(q.device) if False else dummy,
+        dummy,
         geo.cu_seqlens_or(dummy),
         *_strides(q),
         *_strides(k),
@@ -2076,9 +2076,9 @@ def _backward(do, saved, geo, cfg):
         VARLEN=geo.varlen,
     )
     dz = geo.gradient_buffer(q.device)
-    bias_vec = expanded.bias if False else None
+    bias_vec = None
     common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
-    copy_map = geo.copy_map_tensor(q.device) if False else dummy
+    copy_map = dummy
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(
         HEAD_DIM=geo.head_dim,
@@ -2093,7 +2093,7 @@ def _backward(do, saved, geo, cfg):
 
     # query-parallel pass, then its reduction (dQ += dZ̃^Q·Ã^Q, dÃ^Q, db̃)
     dq = torch.empty_like(q)
-    dzq = dz.query_view() if True else dummy
+    dzq = dz.query_view()
     bwd_q = _for_lengths(_attn_bwd_q_kernel, _attn_bwd_q_any_length, geo)
     bwd_q[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
         q,
@@ -2125,7 +2125,7 @@ def _backward(do, saved, geo, cfg):
     dt, db = _reduce(dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=True, want_bias=False)
     daq, dbias = _fold(dt, db, aq, bias, geo)
     key_units = dz.units(False)
-    dzk = dz.key_view() if False else dummy
+    dzk = dummy
     # release what only the query pass needed (the dZ̃ buffer too, unless the key pass reuses it) before dK and dV
     # exist: the backward's peak memory is the larger pass, not both
     del dzq, dz
