@@ -21,15 +21,6 @@ import sys
 import tempfile
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-TORCH_TYPES = {
-    "float16": "fp16",
-    "bfloat16": "bf16",
-    "float32": "fp32",
-    "int32": "i32",
-    "int8": "i8",
-    "int64": "i64",
-    "float64": "fp64",
-}
 
 
 def record(
@@ -37,6 +28,8 @@ def record(
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime import interpreter
 
     import relgen
@@ -48,38 +41,32 @@ def record(
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
         params = list(inspect.signature(fn).parameters.values())
-        signature, constexprs, aligned, ones = {}, {}, [], []
+        signature, constexprs, attrs = {}, {}, {}
         values = dict(zip([p.name for p in params], args, strict=False))
         values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+        # the launched object's own list: a kernel's twin leaves other integers to run time
+        runtime = set(self.kwargs.get("do_not_specialize") or [])
         for p in params:
             value = values[p.name]
             if "constexpr" in str(p.annotation):
                 signature[p.name] = "constexpr"
                 constexprs[p.name] = value
-            elif isinstance(value, torch.Tensor):
-                signature[p.name] = "*" + TORCH_TYPES[str(value.dtype).removeprefix("torch.")]
-                if value.data_ptr() % 16 == 0:
-                    aligned.append(p.name)
-            elif isinstance(value, bool):
-                signature[p.name] = "i1"
-            elif isinstance(value, int):
-                signature[p.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-                if value == 1:  # the launcher compiles an integer equal to 1 as that constant
-                    ones.append(p.name)
-                elif value % 16 == 0:  # Triton's launcher specializes such integers on divisibility by 16
-                    aligned.append(p.name)
-            else:
-                signature[p.name] = "fp32"
+                continue
+            # Triton's launcher's own rule (an integer equal to 1 becomes that constant; integers divisible by 16
+            # and 16-byte aligned pointers get a divisibility hint), so this check cannot drift from it
+            kind, key = native_specialize_impl(CUDABackend, value, False, p.name not in runtime, True)
+            signature[p.name] = kind
+            if kind == "constexpr":
+                constexprs[p.name] = key
+            elif key:
+                attrs[p.name] = key
         launches.append(
             {
                 "module": inspect.getsourcefile(fn),
                 "kernel": fn.__name__,
                 "signature": signature,
                 "constexprs": constexprs,
-                "aligned": aligned,
-                "ones": ones,
-                # the launched object's own list: a kernel's twin may leave other integers to run time
-                "runtime_ints": list(self.kwargs.get("do_not_specialize") or []),
+                "attrs": attrs,
                 "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 2),
             }
@@ -119,7 +106,7 @@ def record(
     seen, unique = set(), []
     for launch in launches:
         key = json.dumps(
-            [launch["kernel"], launch["signature"], launch["constexprs"], launch["runtime_ints"]],
+            [launch["kernel"], launch["signature"], launch["constexprs"], launch["attrs"]],
             sort_keys=True,
             default=str,
         )
@@ -170,6 +157,7 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
 
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     failures = 0
@@ -183,17 +171,9 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
-        # the specialisations Triton's launcher would make (none for parameters marked do_not_specialize)
         names = [p.name for p in fn.params]
-        runtime_ints = set(launch["runtime_ints"])
-        attrs = {
-            (names.index(name),): [["tt.divisibility", 16]] for name in launch["aligned"] if name not in runtime_ints
-        }
-        signature, constexprs = dict(launch["signature"]), dict(launch["constexprs"])
-        for name in launch["ones"]:
-            if name not in runtime_ints:
-                signature[name], constexprs[name] = "constexpr", 1
-        src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        attrs = {(names.index(name),): CUDABackend.parse_attr(key) for name, key in launch["attrs"].items()}
+        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
         opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
