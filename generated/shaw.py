@@ -470,6 +470,10 @@ def _fwd_range(
     V,
     sk_n,
     sv_n,
+    k_desc,
+    v_desc,
+    b,
+    h,
     offs_m,
     zq_bh,
     ZK_b,
@@ -510,13 +514,22 @@ def _fwd_range(
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     for tile in range(lo, hi):
-        offs_n, j_hi = _key_tile(tile, BLOCK_N)
-        kv_ok = offs_n[:, None] < Nk
-        k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
+        if TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW)):
+            # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each
+            # for K and V (no address tensors in registers, no predicates)
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_hi = tile * BLOCK_N + BLOCK_N - 1
+            k = k_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, HEAD_DIM])
+            v = v_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, HEAD_DIM])
+        else:
+            offs_n, j_hi = _key_tile(tile, BLOCK_N)
+            kv_ok = offs_n[:, None] < Nk
+            k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
         col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
         s = _score_tile(
@@ -572,6 +585,8 @@ def _attn_fwd_kernel(
     Q,
     K,
     V,
+    K_DESC,
+    V_DESC,
     O,
     LSE,
     ZQ,
@@ -621,7 +636,10 @@ def _attn_fwd_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    """TMA: K_DESC, V_DESC are tensor descriptors over K and V [B, H, N, d] (boxes [1, 1, BN, d]) that the saturated
+    tiles load through; otherwise they are None and every tile loads through pointers."""
     ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -655,6 +673,10 @@ def _attn_fwd_kernel(
         V_bh,
         sk_n,
         sv_n,
+        K_DESC,
+        V_DESC,
+        b,
+        h,
         offs_m,
         zq_bh,
         ZK_b,
@@ -685,9 +707,26 @@ def _attn_fwd_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        TMA,
     )
     acc, l_i, m_i = _fwd_range(
-        acc, l_i, m_i, *common, n_hi, n_in, *args, HEAD_DIM, BLOCK_N, GROUP, BAND, False, CAUSAL, HAS_KPM, DROPOUT, PREC
+        acc,
+        l_i,
+        m_i,
+        *common,
+        n_hi,
+        n_in,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        BAND,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+        TMA,
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -706,6 +745,7 @@ def _attn_fwd_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        TMA,
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -724,6 +764,7 @@ def _attn_fwd_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        TMA,
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -742,6 +783,7 @@ def _attn_fwd_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        TMA,
     )
     acc, l_i, m_i = _fwd_range(
         acc,
@@ -760,6 +802,7 @@ def _attn_fwd_kernel(
         HAS_KPM,
         DROPOUT,
         PREC,
+        TMA,
     )
     # a row with no key to attend to has ℓ = 0: its output is 0 and its LSE −inf
     has_key = l_i > 0.0
@@ -1907,11 +1950,15 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     c = cfg.forward
     dummy = lse2
     bias_vec = None
+    # saturated tiles exist only where the keys outnumber the band's columns (descriptors cost host time)
+    k_desc, v_desc = _rt.kv_descriptors(k, v, c.block_n, geo.varlen) if geo.nk > geo.c else (None, None)
     grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
     _for_lengths(_attn_fwd_kernel, _attn_fwd_any_length, geo)[grid](
         q,
         k,
         v,
+        k_desc,
+        v_desc,
         o,
         lse2,
         *(_or(z, dummy) for z in projections),
@@ -1937,6 +1984,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         VARLEN=geo.varlen,
         PREC=geo.prec,
         REUSE=geo.reuse,
+        TMA=k_desc is not None,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )

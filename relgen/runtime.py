@@ -36,6 +36,7 @@ from relgen.config import (
     select_config,
     table_chunks,
 )
+from relgen.descriptors import kv_descriptors
 from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
 from relgen.spec import MechanismSpec, load_spec
 
@@ -58,6 +59,7 @@ __all__ = [
     "compile_mechanism",
     "default_config",
     "interpreting",
+    "kv_descriptors",
     "load_module",
     "override_config",
     "prepare_call",

@@ -90,6 +90,33 @@ def test_key_major_tiles_are_the_key_pass_only():
         dataclasses.replace(INTERPRETER_CONFIG, backward=AttnTiles(16, 32, key_major=True)).check()
 
 
+@pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("terms", [["query"], ["query", "key"], ["bias"]])
+def test_saturated_tiles_through_descriptors_and_pointers(monkeypatch, terms, descriptors):
+    """The forward's saturated tiles load K and V through tensor descriptors where the call allows it, else through
+    pointers: both exact, at a length with saturated tiles on both sides of the band."""
+    from relgen import descriptors as kv
+
+    monkeypatch.setattr(kv, "enabled", descriptors)
+    spec = relgen.load_spec({"name": "clip", "terms": terms, "map": {"kind": "clipped", "min": -5, "max": 7}})
+    inputs = make_inputs(spec, b=2, h=2, nq=80, d=16, device=DEVICE, seed=5)
+    k_desc, _ = kv.kv_descriptors(inputs.k, inputs.v, 16, varlen=False)
+    assert (k_desc is not None) == descriptors
+    assert_all_close(compare(spec, inputs), f"{terms} descriptors={descriptors}")
+
+
+def test_descriptors_only_for_layouts_tma_reads():
+    from relgen.descriptors import kv_descriptors
+
+    k = torch.randn(1, 2, 32, 16)
+    assert kv_descriptors(k, k, 16, varlen=False)[0] is not None
+    assert kv_descriptors(k, k, 16, varlen=True) == (None, None)  # packed sequences: pointers
+    odd = torch.randn(1, 2, 32, 17)[..., :16]  # rows of 17 floats: a stride of 68 bytes
+    assert kv_descriptors(odd, odd, 16, varlen=False) == (None, None)
+    strided = torch.randn(1, 2, 32, 32)[..., ::2]  # last stride 2
+    assert kv_descriptors(strided, strided, 16, varlen=False) == (None, None)
+
+
 # -- random specs of every map kind ----------------------------------------------------------------------------
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=random_specs(), nq=st.integers(1, 70), nk=st.integers(1, 70), seed=st.integers(0, 1000))

@@ -1,0 +1,53 @@
+"""Tensor descriptors (TMA on Hopper) over K and V for the forward's saturated key tiles, where a call allows them.
+
+A saturated tile reads K and V whole, in any key order, and all its keys exist: one TMA box each, with no address
+tensors in registers and no predicates. Band tiles keep their pointer loads (their keys run in descending order so
+that each query's Z̃ entries form one ascending run; see the template's `_key_tile`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from relgen.config import interpreting
+
+#: descriptors on where a call allows them; off, every tile loads through pointers (tests run both paths)
+enabled = True
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _supported(device: torch.device) -> bool:
+    if interpreting():
+        return True
+    return device.type == "cuda" and _hopper_or_later(device.index if device.index is not None else 0)
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """TMA's layout rules: a unit last stride, every other stride and the base address on 16 bytes."""
+    size = t.element_size()
+    return (
+        t.dim() == 4
+        and t.stride(-1) == 1
+        and all(s * size % 16 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, varlen: bool) -> tuple[Any, Any]:
+    """Host-side descriptors over K and V [B, H, N, d] with boxes [1, 1, BN, d], or (None, None) where TMA cannot
+    read them: descriptors switched off, packed sequences, a GPU before Hopper, or a layout TMA does not accept."""
+    if not enabled or varlen or not _supported(k.device) or not (_readable(k) and _readable(v)):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = [1, 1, block_n, k.shape[-1]]
+    return (
+        TensorDescriptor(k, list(k.shape), list(k.stride()), box),
+        TensorDescriptor(v, list(v.shape), list(v.stride()), box),
+    )
