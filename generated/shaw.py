@@ -252,6 +252,13 @@ def _end_terms(row_end, col_end, b_end, KEY_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _end_shift(row_end, b_end):
+    """The part of _end_terms that is one number per query (query term, b̃): a saturated tile does not add it to
+    its scores but shifts the softmax's running max (the LSE in the backward) by it (see _score_tile)."""
+    return row_end
+
+
+@triton.jit
 def _query_ends(E, offs_m, row_ok):
     return _ends(E, offs_m, row_ok)
 
@@ -328,7 +335,9 @@ def _score_tile(
     PREC: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
-    """row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends).
+    """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
+    tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
+    row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends).
     The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR."""
     if KEY_MAJOR:
         qk = tl.dot(k, tl.trans(q), input_precision=PREC)
@@ -356,20 +365,20 @@ def _score_tile(
                 tl.where(below, _end_terms(row_lo, col_lo, b_lo, KEY_MAJOR), 0.0),
             )
         qk += rel
+        shift = 0.0
     elif MODE == SAT_HIGH:
-        qk += _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR)
+        shift = _end_shift(row_hi, b_hi) * qk_scale
     else:
-        qk += _end_terms(row_lo, col_lo, b_lo, KEY_MAJOR)
-    s = qk * qk_scale
+        shift = _end_shift(row_lo, b_lo) * qk_scale
     if MASKED:
         keep = _along_keys(col_ok, KEY_MAJOR)
         if CAUSAL:
             keep = keep & (_along_queries(offs_m + DOFF, KEY_MAJOR) >= _along_keys(offs_n, KEY_MAJOR))
-        s = tl.where(keep, s, float("-inf"))
+        qk = tl.where(keep, qk, float("-inf"))
     if HAS_KPM:
         real = tl.load(kpm_b + offs_n, mask=col_ok, other=0)
-        s = tl.where(_along_keys(real != 0, KEY_MAJOR), s, float("-inf"))
-    return s
+        qk = tl.where(_along_keys(real != 0, KEY_MAJOR), qk, float("-inf"))
+    return qk, shift
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -532,7 +541,7 @@ def _fwd_range(
             v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
         col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
-        s = _score_tile(
+        x, c = _score_tile(
             q,
             k,
             offs_m,
@@ -567,10 +576,10 @@ def _fwd_range(
             PREC,
             False,
         )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale + c)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far stay at zero
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(x * qk_scale - (m_safe - c)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], rng_nq, rng_nk, dropout_p)
@@ -854,10 +863,23 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _probabilities(
-    s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT: tl.constexpr, KEY_MAJOR: tl.constexpr
+    x,
+    c,
+    qk_scale,
+    lse2,
+    bh,
+    seed,
+    dropout_p,
+    offs_m,
+    offs_n,
+    rng_nq,
+    rng_nk,
+    DROPOUT: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
 ):
-    """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P."""
-    p = tl.exp2(s - _along_queries(lse2, KEY_MAJOR))
+    """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P.
+    x, c: the scores as _score_tile gives them."""
+    p = tl.exp2(x * qk_scale - _along_queries(lse2 - c, KEY_MAJOR))
     if DROPOUT:
         keep = dropout_keep(
             seed, bh, _along_queries(offs_m, KEY_MAJOR), _along_keys(offs_n, KEY_MAJOR), rng_nq, rng_nk, dropout_p
@@ -932,7 +954,7 @@ def _bwd_q_range(
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
         col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
-        s = _score_tile(
+        x, c = _score_tile(
             q,
             k,
             offs_m,
@@ -967,7 +989,9 @@ def _bwd_q_range(
             PREC,
             False,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, False)
+        p, p_kept = _probabilities(
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, False
+        )
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -1354,7 +1378,7 @@ def _bwd_kv_range(
         Di = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
         s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, q_win_base, C, WQ)
         row_hi, row_lo = _query_ends(ZQE_b, offs_m, row_ok)
-        s = _score_tile(
+        x, c = _score_tile(
             q,
             k,
             offs_m,
@@ -1389,7 +1413,9 @@ def _bwd_kv_range(
             PREC,
             KEY_MAJOR,
         )
-        p, p_kept = _probabilities(s, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, KEY_MAJOR)
+        p, p_kept = _probabilities(
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, KEY_MAJOR
+        )
         if KEY_MAJOR:  # [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand
             dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
             dp = tl.dot(v, tl.trans(do), input_precision=PREC)

@@ -35,6 +35,7 @@ class GenerationFlags:
     # extra loops cost T5 3-12% in the backward (benchmarks/results/h200/NOTES.md, sixth session)
     inner_runs: bool
     end_terms: str  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
+    end_shift: str  # their per-query part: query and b̃ (kernel `_end_shift`; "0.0" when there is none)
     bias_from: str | None  # which dZ̃ yields db
     terms_literal: str
     copy_map_literal: str
@@ -73,6 +74,10 @@ class GenerationFlags:
                 )
                 if present
             ),
+            end_shift=" + ".join(
+                part for part, present in (("row_end", plan.has_query), ("b_end", bias_mode == "vector")) if present
+            )
+            or "0.0",
             bias_from=bias_from,
             terms_literal="(" + "".join(f'"{t}", ' for t in plan.terms).rstrip() + ")",
             copy_map_literal=_copy_map_literal(plan),
