@@ -45,7 +45,7 @@ def record(
         values = dict(zip([p.name for p in params], args, strict=False))
         values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
         # the launched object's own list: a kernel's twin leaves other integers to run time
-        runtime = set(self.kwargs.get("do_not_specialize") or [])
+        unspecialised = set(self.kwargs.get("do_not_specialize") or [])
         for p in params:
             value = values[p.name]
             if "constexpr" in str(p.annotation):
@@ -54,7 +54,7 @@ def record(
                 continue
             # Triton's launcher's own rule (an integer equal to 1 becomes that constant; integers divisible by 16
             # and 16-byte aligned pointers get a divisibility hint), so this check cannot drift from it
-            kind, key = native_specialize_impl(CUDABackend, value, False, p.name not in runtime, True)
+            kind, key = native_specialize_impl(CUDABackend, value, False, p.name not in unspecialised, True)
             signature[p.name] = kind
             if kind == "constexpr":
                 constexprs[p.name] = key

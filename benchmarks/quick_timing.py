@@ -1,6 +1,9 @@
 """Quick relgen-only timing on a GPU (a development aid; the benchmark that compares peers is `relgen bench`).
 
-python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT]
+python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT] [--check]
+
+A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --check adds "exact": the same
+kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.verify).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import torch
 import triton
 
 import relgen
-from relgen.verify import make_inputs
+from relgen.verify import check_spec, make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def spec_path(name: str) -> Path:
+    return Path(name) if name.endswith(".yaml") else ROOT / "specs" / f"{name}.yaml"
+
+
 def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dtype=torch.float16) -> dict:
-    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    spec = relgen.load_spec(spec_path(name))
     b = max(1, tokens // n)
     rows = spec.map.num_rows(n)
     made = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=dtype, device="cuda")
@@ -65,12 +72,17 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="1024,8192")
     parser.add_argument("--specs", default="shaw,txl,deberta_v3,t5")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--check", action="store_true", help="also compare with the FP64 reference")
     args = parser.parse_args()
     rows = []
     for name in args.specs.split(","):
         for n in (int(x) for x in args.seq_lens.split(",")):
             try:
                 r = measure(name, n)
+                if args.check:
+                    checked = check_spec(spec_path(name), [n], "cuda")
+                    r["exact"] = all(c.ok for c in checked)
+                    r["failed"] = [f"{c.tensor}: {c.message}" for c in checked if not c.ok]
             except Exception as err:  # report and go on: one broken kernel must not hide the others
                 r = {"spec": name, "seq_len": n, "error": f"{type(err).__name__}: {err}"[:400]}
             rows.append(r)
