@@ -76,10 +76,11 @@ def record(
     interpreter.InterpretedFunction.run = run
     spec = relgen.load_spec(spec_path)
     torch_dtype = getattr(torch, DTYPES[dtype])
-    terms = tuple(relgen.compile_mechanism(spec).module.PLAN.terms)
+    plan = relgen.compile_mechanism(spec).module.PLAN
+    terms = tuple(plan.terms)
     # the configuration the GPU would run at `config_for` tokens: the committed table's entry for this
     # architecture, else the resource heuristic (asked for while not interpreting)
-    cfg = tuning.table_config(str(arch), terms, torch_dtype, 64, config_for)
+    cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, 64, config_for)
     if cfg is None:
         os.environ["TRITON_INTERPRET"] = "0"
         cfg = runtime.default_config(torch_dtype, 64, config_for, terms)

@@ -145,15 +145,15 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
         return _override[-1]
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
-    return _selected(plan.terms, dtype, head_dim, tuning.bucket(seq_len), interpreting())
+    return _selected(plan.terms, tuning.plan_family(plan), dtype, head_dim, tuning.bucket(seq_len), interpreting())
 
 
 @functools.lru_cache(maxsize=256)
-def _selected(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, bucket: int, interpreted: bool):
-    """select_config once per (terms, dtype, head dim, length bucket): every length of a bucket shares it."""
+def _selected(terms: tuple[str, ...], family: str, dtype: torch.dtype, head_dim: int, bucket: int, interpreted: bool):
+    """select_config once per (kernel family, dtype, head dim, length bucket): every length of a bucket shares it."""
     from relgen import tuning
 
-    return tuning.lookup(terms, dtype, head_dim, bucket) or default_config(dtype, head_dim, bucket, terms)
+    return tuning.lookup(family, dtype, head_dim, bucket) or default_config(dtype, head_dim, bucket, terms)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -16,7 +16,7 @@ The group size stays 128 (the analyzer plans with it). Forward and backward winn
 (the backward only depends on the group, which all candidates share). A candidate that fails to compile, runs
 out of resources or memory, or gives a result that differs from the heuristic configuration's beyond
 `relgen.testing.check_close` is skipped and the reason recorded. Specs whose kernels share a table key
-(`relgen.tuning.table_key`: terms, dtype, head dim, bucket) are timed together: a candidate's time is the sum
+(`relgen.tuning.table_key`: kernel family, dtype, head dim, bucket) are timed together: a candidate's time is the sum
 over them.
 
 The winners are merged into relgen/tuning_tables/sm{major}{minor}.json (or --out), the file that
@@ -472,13 +472,14 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _term_groups(specs: Sequence[Any]) -> dict[tuple[str, ...], list[Any]]:
-    """Specs grouped by the terms of their plans (the part of the table key that depends on the spec)."""
+def _family_groups(specs: Sequence[Any]) -> dict[str, list[Any]]:
+    """Specs grouped by the kernel families of their plans (the part of the table key that depends on the spec)."""
+    from relgen import tuning
     from relgen.runtime import compile_mechanism
 
-    groups: dict[tuple[str, ...], list[Any]] = {}
+    groups: dict[str, list[Any]] = {}
     for spec in specs:
-        groups.setdefault(tuple(compile_mechanism(spec).module.PLAN.terms), []).append(spec)
+        groups.setdefault(tuning.plan_family(compile_mechanism(spec).module.PLAN), []).append(spec)
     return groups
 
 
@@ -507,9 +508,9 @@ def cli_tune(args: argparse.Namespace) -> int:
     )
     status, written = 0, 0
     try:
-        for terms, group in _term_groups(specs).items():
+        for family, group in _family_groups(specs).items():
             for n in lengths:
-                entry_key = tuning.table_key(terms, dtype, head_dim, n)
+                entry_key = tuning.table_key(family, dtype, head_dim, n)
                 if getattr(args, "resume", False) and entry_key in existing:
                     print(f"{entry_key}: already tuned, skipped (--resume)")
                     continue
@@ -566,9 +567,9 @@ def cli_warmup(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         mechanism = compile_mechanism(spec)
         print(f"{path}  {spec.name}  ({dtype_name}, d={head_dim}): generated in {time.perf_counter() - t0:.1f} s")
-        terms = tuple(mechanism.module.PLAN.terms)
+        family = tuning.plan_family(mechanism.module.PLAN)
         for n in lengths:
-            source = "tuned" if tuning.lookup(terms, dtype, head_dim, n) is not None else "heuristic"
+            source = "tuned" if tuning.lookup(family, dtype, head_dim, n) is not None else "heuristic"
             try:
                 inputs = make_inputs(spec, b=1, h=HEADS, nq=n, d=head_dim, dtype=dtype, device="cuda", seed=0)
                 t1 = time.perf_counter()

@@ -1,5 +1,9 @@
 """Tuned tile configurations: lookup tables per compute capability, kernel family, dtype, head dim and
-sequence-length bucket (written by `relgen tune`, committed under relgen/tuning_tables/)."""
+sequence-length bucket (written by `relgen tune`, committed under relgen/tuning_tables/).
+
+A kernel family is what the table key takes from the plan: its relation terms, and whether its map saturates. A
+map whose rows grow with N (the identity map of Transformer-XL) has no saturated tiles, so its best tiles differ
+from those of a saturating map with the same terms (Shaw's): its family carries the suffix `@unsaturated`."""
 
 from __future__ import annotations
 
@@ -26,8 +30,17 @@ def _table(capability: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def table_key(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
-    return f"{'+'.join(terms)}/{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
+def kernel_family(terms: tuple[str, ...], saturates: bool) -> str:
+    return "+".join(terms) + ("" if saturates else "@unsaturated")
+
+
+def plan_family(plan: Any) -> str:
+    """The kernel family of a plan (PlanInfo or Plan): its terms, and whether its map saturates."""
+    return kernel_family(tuple(plan.terms), not plan.length_dependent)
+
+
+def table_key(family: str, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
+    return f"{family}/{DTYPE_NAMES[dtype]}/d{head_dim}/n{bucket(seq_len)}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,19 +48,19 @@ def _capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability()
 
 
-def lookup(terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
+def lookup(family: str, dtype: torch.dtype, head_dim: int, seq_len: int):
     """The tuned KernelConfig for this GPU, or None (then the resource heuristic decides)."""
     if not torch.cuda.is_available():
         return None
     major, minor = _capability()
-    return table_config(f"{major}{minor}", terms, dtype, head_dim, seq_len)
+    return table_config(f"{major}{minor}", family, dtype, head_dim, seq_len)
 
 
-def table_config(capability: str, terms: tuple[str, ...], dtype: torch.dtype, head_dim: int, seq_len: int):
+def table_config(capability: str, family: str, dtype: torch.dtype, head_dim: int, seq_len: int):
     """The committed entry of compute capability `capability` (e.g. "90") as a KernelConfig, or None."""
     from relgen.config import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
-    entry = _table(capability).get(table_key(terms, dtype, head_dim, seq_len))
+    entry = _table(capability).get(table_key(family, dtype, head_dim, seq_len))
     if entry is None:
         return None
     return KernelConfig(

@@ -77,8 +77,8 @@ def test_interior_band_tiles_with_the_gpus_tiles(name):
     from relgen import tuning
 
     spec = relgen.load_spec(spec_path(name))
-    terms = tuple(relgen.compile_mechanism(spec).module.PLAN.terms)
-    config = tuning.table_config("90", terms, torch.float16, 64, 512)
+    family = tuning.plan_family(relgen.compile_mechanism(spec).module.PLAN)
+    config = tuning.table_config("90", family, torch.float16, 64, 512)
     assert config is not None
     inputs = make_inputs(spec, b=1, h=1, nq=300, nk=270, d=64, device=DEVICE, seed=11)
     with override_config(config):

@@ -55,35 +55,51 @@ def fake_gpu(monkeypatch, tmp_path):
 def test_bucket_and_table_key():
     lengths = (1, 64, 65, 128, 129, 400, 1000, 8192, 100_000)
     assert [tuning.bucket(n) for n in lengths] == [64, 64, 128, 128, 384, 512, 1024, 8192, 8192]
-    assert tuning.table_key(("query", "key"), torch.float16, 64, 1000) == "query+key/fp16/d64/n1024"
-    assert tuning.table_key(("bias",), torch.bfloat16, 128, 10) == "bias/bf16/d128/n64"
+    assert tuning.table_key("query+key", torch.float16, 64, 1000) == "query+key/fp16/d64/n1024"
+    assert tuning.table_key("bias", torch.bfloat16, 128, 10) == "bias/bf16/d128/n64"
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [("shaw", "query"), ("txl", "query@unsaturated"), ("deberta_v3", "query+key"), ("t5", "bias")],
+)
+def test_kernel_family_separates_saturating_maps_from_growing_ones(name, family):
+    """Shaw and Transformer-XL share their terms but not their tiles: TXL's rows grow with N (no saturated tiles)."""
+    plan = relgen.compile_mechanism(ROOT / "specs" / f"{name}.yaml").module.PLAN
+    assert tuning.plan_family(plan) == family
+
+
+def test_the_committed_table_gives_shaw_and_txl_their_own_entries():
+    table = json.loads((tuning.TABLES / "sm90.json").read_text())
+    for family in ("query", "query@unsaturated"):
+        assert f"{family}/fp16/d64/n8192" in table
 
 
 def test_lookup_reads_a_hand_written_table(fake_gpu):
     table = {"query/fp16/d64/n512": ENTRY, "_timings": {"query/fp16/d64/n512": {"forward_ms": {}}}}
     (fake_gpu / "sm90.json").write_text(json.dumps(table))
-    assert tuning.lookup(("query",), torch.float16, 64, 400) == CONFIG
-    assert tuning.lookup(("query",), torch.float16, 64, 600) is None  # bucket 768: no entry
-    assert tuning.lookup(("bias",), torch.float16, 64, 400) is None
-    assert tuning.lookup(("query",), torch.float32, 64, 400) is None
+    assert tuning.lookup("query", torch.float16, 64, 400) == CONFIG
+    assert tuning.lookup("query", torch.float16, 64, 600) is None  # bucket 768: no entry
+    assert tuning.lookup("bias", torch.float16, 64, 400) is None
+    assert tuning.lookup("query", torch.float32, 64, 400) is None
 
 
 def test_lookup_without_a_gpu_or_a_table(fake_gpu, monkeypatch):
-    assert tuning.lookup(("query",), torch.float16, 64, 400) is None  # no sm90.json
+    assert tuning.lookup("query", torch.float16, 64, 400) is None  # no sm90.json
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tuning.lookup(("query",), torch.float16, 64, 400) is None
+    assert tuning.lookup("query", torch.float16, 64, 400) is None
 
 
 def test_write_entry_merges_and_lookup_reads_it(fake_gpu):
     path = fake_gpu / "sm90.json"
     path.write_text(json.dumps({"bias/fp16/d64/n64": ENTRY}))
-    tuning.lookup(("query",), torch.float16, 64, 100)  # fills lookup's cache: write_entry must clear it
+    tuning.lookup("query", torch.float16, 64, 100)  # fills lookup's cache: write_entry must clear it
     tune.write_entry(path, "query/fp16/d64/n128", tune.config_entry(CONFIG), {"forward_ms": {"a": 1.0}})
     table = json.loads(path.read_text())
     assert set(table) == {"bias/fp16/d64/n64", "query/fp16/d64/n128", "_timings"}
     assert table["_timings"] == {"query/fp16/d64/n128": {"forward_ms": {"a": 1.0}}}
-    assert tuning.lookup(("query",), torch.float16, 64, 100) == CONFIG
-    assert tuning.lookup(("bias",), torch.float16, 64, 64) == CONFIG
+    assert tuning.lookup("query", torch.float16, 64, 100) == CONFIG
+    assert tuning.lookup("bias", torch.float16, 64, 64) == CONFIG
 
 
 def test_key_pass_tiles_round_trip_through_the_table():
