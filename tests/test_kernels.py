@@ -108,12 +108,12 @@ def test_saturated_tiles_through_descriptors_and_pointers(monkeypatch, terms, de
 def test_descriptors_only_for_layouts_tma_reads():
     from relgen.descriptors import kv_descriptors
 
-    k = torch.randn(1, 2, 32, 16)
+    k = torch.randn(1, 2, 32, 16, device=DEVICE)
     assert kv_descriptors(k, k, 16, varlen=False)[0] is not None
     assert kv_descriptors(k, k, 16, varlen=True) == (None, None)  # packed sequences: pointers
-    odd = torch.randn(1, 2, 32, 17)[..., :16]  # rows of 17 floats: a stride of 68 bytes
+    odd = torch.randn(1, 2, 32, 17, device=DEVICE)[..., :16]  # rows of 17 floats: a stride of 68 bytes
     assert kv_descriptors(odd, odd, 16, varlen=False) == (None, None)
-    strided = torch.randn(1, 2, 32, 32)[..., ::2]  # last stride 2
+    strided = torch.randn(1, 2, 32, 32, device=DEVICE)[..., ::2]  # last stride 2
     assert kv_descriptors(strided, strided, 16, varlen=False) == (None, None)
 
 
