@@ -1,7 +1,12 @@
 """T5's decode gradients in half precision (test_features_long's Nq = 1 case) for several dO draws: the kernels'
 errors next to the error Δ = rowsum(dO∘O) alone carries when O is the rounded output (FlashAttention's Δ)."""
-import json, sys
-import torch, relgen
+
+import json
+import sys
+
+import torch
+
+import relgen
 from relgen import reference
 from relgen.testing import check_close
 from relgen.verify import make_inputs
@@ -21,7 +26,7 @@ for dtype in (torch.bfloat16, torch.float16):
         want = torch.autograd.grad(ref, dl, do.double(), retain_graph=True)
         d_delta = ((out.detach().double() - ref.detach()) * do.double()).sum(-1).abs().max().item()
         row = {"tree": sys.argv[1], "dtype": str(dtype), "do_seed": s, "delta_err_from_rounded_O": d_delta}
-        for name, g, w in zip(["dq", "dk", "dv", "dbias"], got, want):
-            ok, msg = check_close(g, w, dtype)
+        for name, g, w in zip(["dq", "dk", "dv", "dbias"], got, want, strict=True):
+            ok, _ = check_close(g, w, dtype)
             row[name] = {"ok": ok, "max_abs": (g.double() - w).abs().max().item(), "max_ref": w.abs().max().item()}
         print(json.dumps(row), flush=True)
