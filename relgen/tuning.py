@@ -30,13 +30,9 @@ def _table(capability: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def kernel_family(terms: tuple[str, ...], saturates: bool) -> str:
-    return "+".join(terms) + ("" if saturates else "@unsaturated")
-
-
 def plan_family(plan: Any) -> str:
     """The kernel family of a plan (PlanInfo or Plan): its terms, and whether its map saturates."""
-    return kernel_family(tuple(plan.terms), not plan.length_dependent)
+    return "+".join(plan.terms) + ("@unsaturated" if plan.length_dependent else "")
 
 
 def table_key(family: str, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
