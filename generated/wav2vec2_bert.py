@@ -64,6 +64,8 @@ _BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
 # except when one is 1: compiled as that constant, the query pass of a 64x64 8-warp tile crashes ptxas (CUDA 12.8,
 # sm_90a: SIGSEGV), so calls with a length of 1 launch twins that take every length at run time
 _LENGTHS = ["Nq_all", "Nk_all"]
+# every kernel is launched through relgen.launch.Launcher: a launch like one made before skips Triton's per-call
+# specialisation of its ~40 arguments (host time that dominates a call at N ≤ 1K)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -370,6 +372,7 @@ def _score_tile(
 # ------------------------------------------------------------------------------------------------------------
 # projection: Z̃[t, w] = x_t · Ã[s0(g(t)) + w] (+ b̃) over each group's window only
 # ------------------------------------------------------------------------------------------------------------
+@_rt.Launcher
 @triton.jit
 def _project_kernel(
     X,
@@ -575,6 +578,7 @@ def _fwd_range(
     return acc, l_i, m_i
 
 
+@_rt.Launcher
 @triton.jit(do_not_specialize=_FWD_RUNTIME)
 def _attn_fwd_kernel(
     Q,
@@ -815,6 +819,7 @@ def _attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------------------------
 # backward
 # ------------------------------------------------------------------------------------------------------------
+@_rt.Launcher
 @triton.jit
 def _bwd_preprocess_kernel(
     O,
@@ -1001,6 +1006,7 @@ def _bwd_q_range(
     return dq, hi_sum, lo_sum
 
 
+@_rt.Launcher
 @triton.jit(do_not_specialize=_BWD_RUNTIME)
 def _attn_bwd_q_kernel(
     Q,
@@ -1413,6 +1419,7 @@ def _bwd_kv_range(
     return dk, dv, hi_sum, lo_sum
 
 
+@_rt.Launcher
 @triton.jit(do_not_specialize=_BWD_RUNTIME)
 def _attn_bwd_kv_kernel(
     Q,
@@ -1702,6 +1709,7 @@ def _attn_bwd_kv_kernel(
 # ------------------------------------------------------------------------------------------------------------
 # reductions (GEMMs over windows, fixed summation order: deterministic)
 # ------------------------------------------------------------------------------------------------------------
+@_rt.Launcher
 @triton.jit
 def _reduce_tokens_kernel(
     DZ,
@@ -1759,6 +1767,7 @@ def _reduce_tokens_kernel(
     tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=t_ok[:, None])
 
 
+@_rt.Launcher
 @triton.jit
 def _reduce_table_kernel(
     DZ,
@@ -1845,6 +1854,7 @@ def _reduce_table_kernel(
         tl.store(DB_PART + part + offs_s, acc_b, mask=s_ok)
 
 
+@_rt.Launcher
 @triton.jit
 def _fold_copies_kernel(
     DT, DB, DA, DBIAS, FIRST, COUNT, C, R, HEAD_DIM: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_DB: tl.constexpr
@@ -1868,9 +1878,9 @@ def _fold_copies_kernel(
         tl.store(DBIAS + h * R + r + tl.arange(0, 1), acc_b.to(DBIAS.dtype.element_ty))
 
 
-_attn_fwd_any_length = triton.jit(_attn_fwd_kernel.fn, do_not_specialize=_FWD_RUNTIME + _LENGTHS)
-_attn_bwd_q_any_length = triton.jit(_attn_bwd_q_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS)
-_attn_bwd_kv_any_length = triton.jit(_attn_bwd_kv_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS)
+_attn_fwd_any_length = _rt.Launcher(triton.jit(_attn_fwd_kernel.fn, do_not_specialize=_FWD_RUNTIME + _LENGTHS))
+_attn_bwd_q_any_length = _rt.Launcher(triton.jit(_attn_bwd_q_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS))
+_attn_bwd_kv_any_length = _rt.Launcher(triton.jit(_attn_bwd_kv_kernel.fn, do_not_specialize=_BWD_RUNTIME + _LENGTHS))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1963,7 +1973,10 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     dummy = lse2
     bias_vec = None
     # saturated tiles exist only where the keys outnumber the band's columns (descriptors cost host time)
-    k_desc, v_desc = _rt.kv_descriptors(k, v, c.block_n, geo.varlen) if geo.nk > geo.c else (None, None)
+    pairs = geo.batch * geo.heads * geo.nq * geo.nk
+    k_desc, v_desc = (None, None)
+    if geo.nk > geo.c:
+        k_desc, v_desc = _rt.kv_descriptors(k, v, c.block_n, varlen=geo.varlen, pairs=pairs)
     grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
     _for_lengths(_attn_fwd_kernel, _attn_fwd_any_length, geo)[grid](
         q,

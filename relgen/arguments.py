@@ -104,11 +104,8 @@ def prepare_call(
     checked: dict[str, torch.Tensor | None] = {}
     for name, (t, term, rank) in tables.items():
         shared = plan.shared_tables
-        expected = (
-            (f"[{rows}, {d}]" if shared else f"[{h}, {rows}, {d}]")
-            if rank == 3
-            else (f"[{rows}]" if shared else f"[{h}, {rows}]")
-        )
+        want = ((rows, d) if shared else (h, rows, d)) if rank == 3 else ((rows,) if shared else (h, rows))
+        expected = "[" + ", ".join(map(str, want)) + "]"
         if term not in plan.terms:
             if t is not None:
                 raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
@@ -116,9 +113,8 @@ def prepare_call(
             continue
         if t is None:
             raise ValueError(f"{name}: required by the spec's '{term}' term, expected shape {expected}")
-        t = _check_tensor(name, t, rank - (1 if shared else 0), expected)
-        want = ((rows, d) if shared else (h, rows, d)) if rank == 3 else ((rows,) if shared else (h, rows))
-        if tuple(t.shape) != want:
+        t = _check_tensor(name, t, len(want), expected)
+        if t.shape != want:
             raise ValueError(f"{name}: expected shape {expected}, got {_shape(t)}")
         if rank == 3 and t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")

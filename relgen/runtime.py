@@ -38,6 +38,7 @@ from relgen.config import (
 )
 from relgen.descriptors import kv_descriptors
 from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
+from relgen.launch import Launcher
 from relgen.spec import MechanismSpec, load_spec
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "Call",
     "Geometry",
     "KernelConfig",
+    "Launcher",
     "Mechanism",
     "PlanInfo",
     "ProjectTiles",

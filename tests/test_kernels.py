@@ -98,23 +98,28 @@ def test_saturated_tiles_through_descriptors_and_pointers(monkeypatch, terms, de
     from relgen import descriptors as kv
 
     monkeypatch.setattr(kv, "enabled", descriptors)
+    monkeypatch.setattr(kv, "MIN_PAIRS", 0)  # the interpreter's lengths are far below the GPU's threshold
     spec = relgen.load_spec({"name": "clip", "terms": terms, "map": {"kind": "clipped", "min": -5, "max": 7}})
     inputs = make_inputs(spec, b=2, h=2, nq=80, d=16, device=DEVICE, seed=5)
-    k_desc, _ = kv.kv_descriptors(inputs.k, inputs.v, 16, varlen=False)
+    k_desc, _ = kv.kv_descriptors(inputs.k, inputs.v, 16, varlen=False, pairs=2 * 2 * 80 * 80)
     assert (k_desc is not None) == descriptors
     assert_all_close(compare(spec, inputs), f"{terms} descriptors={descriptors}")
 
 
-def test_descriptors_only_for_layouts_tma_reads():
-    from relgen.descriptors import kv_descriptors
+def test_descriptors_only_for_layouts_tma_reads_and_calls_they_pay_for():
+    from relgen.descriptors import MIN_PAIRS, kv_descriptors
+
+    def made(t, varlen=False, pairs=MIN_PAIRS):
+        return kv_descriptors(t, t, 16, varlen=varlen, pairs=pairs) != (None, None)
 
     k = torch.randn(1, 2, 32, 16, device=DEVICE)
-    assert kv_descriptors(k, k, 16, varlen=False)[0] is not None
-    assert kv_descriptors(k, k, 16, varlen=True) == (None, None)  # packed sequences: pointers
+    assert made(k)
+    assert not made(k, pairs=MIN_PAIRS - 1)  # a host-bound call: pointers
+    assert not made(k, varlen=True)  # packed sequences: pointers
     odd = torch.randn(1, 2, 32, 17, device=DEVICE)[..., :16]  # rows of 17 floats: a stride of 68 bytes
-    assert kv_descriptors(odd, odd, 16, varlen=False) == (None, None)
+    assert not made(odd)
     strided = torch.randn(1, 2, 32, 32, device=DEVICE)[..., ::2]  # last stride 2
-    assert kv_descriptors(strided, strided, 16, varlen=False) == (None, None)
+    assert not made(strided)
 
 
 # -- random specs of every map kind ----------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""One relgen call at the benchmark's shape, taken apart on the GPU: host time per call, GPU time of its kernels,
+and what `relgen bench` reads (do_bench, L2 flushed), with the launch fast path and the TMA descriptors each
+switchable. At N ≤ 1K the benchmark reads the host path; run each configuration in a fresh process, as the
+benchmark does, and several times (the host's cost per call varies between processes).
+
+    python benchmarks/host_path.py --spec t5 --seq-len 512 [--triton-launch] [--no-descriptors] [--profile]
+
+Prints one JSON line: host_us_fwd / host_us_bwd (wall time per call over 200 calls issued without a sync, the
+GPU kept ahead), gpu_ms_fwd / gpu_ms_bwd (the kernels' CUDA time, torch.profiler), bench_ms_fwd / bench_ms_bwd
+(triton.testing.do_bench median), the CPU the process ran on and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton.testing
+
+import relgen
+import relgen.descriptors
+from relgen.launch import Launcher
+from relgen.verify import make_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS, HEADS, HEAD_DIM = 16384, 12, 64
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def gpu_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / 1000 / calls
+
+
+def profile_top(fn: Callable[[], object], calls: int = 200, rows: int = 18) -> list[str]:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:rows]
+    return [
+        f"{tt / calls * 1e6:7.1f} us own {ct / calls * 1e6:7.1f} us cum {nc // calls:3d}x {Path(p).name}:{ln}({fn_})"
+        for (p, ln, fn_), (_, nc, tt, ct, _) in ranked
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--triton-launch", action="store_true", help="every launch through Triton's own path")
+    parser.add_argument("--no-descriptors", action="store_true", help="no TMA descriptors (pointer loads)")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile of 200 forwards")
+    args = parser.parse_args()
+    if args.triton_launch:
+        Launcher.launch = lambda self, grid, a, kw: self.kernel[grid](*a, **kw)
+    relgen.descriptors.enabled = not args.no_descriptors
+
+    spec = relgen.load_spec(ROOT / "specs" / f"{args.spec}.yaml")
+    n = args.seq_len
+    made = make_inputs(spec, b=max(1, TOKENS // n), h=HEADS, nq=n, d=HEAD_DIM, dtype=torch.float16, device="cuda")
+    fn = relgen.compile_mechanism(spec)
+    leaves = [made.q, made.k, made.v, *made.tables.values()]
+    for t in leaves:
+        t.requires_grad_(True)
+
+    def forward():
+        return fn(made.q, made.k, made.v, **made.tables)
+
+    out = forward()
+    do = torch.randn_like(out)
+
+    def backward():
+        return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    for _ in range(20):
+        forward()
+        backward()
+    record = {
+        "spec": args.spec,
+        "seq_len": n,
+        "launch": "triton" if args.triton_launch else "relgen",
+        "descriptors": not args.no_descriptors,
+        "host_us_fwd": host_us(forward),
+        "host_us_bwd": host_us(backward),
+        "gpu_ms_fwd": gpu_ms(forward),
+        "gpu_ms_bwd": gpu_ms(backward),
+        "bench_ms_fwd": triton.testing.do_bench(forward, warmup=50, rep=100, return_mode="median"),
+        "bench_ms_bwd": triton.testing.do_bench(backward, warmup=50, rep=100, return_mode="median"),
+        "cpu": int(Path("/proc/self/stat").read_text().split()[38]),
+        "load": os.getloadavg()[0],
+    }
+    if args.profile:
+        record["profile_fwd"] = profile_top(forward)
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Kernel launches that skip Triton's per-call specialisation once a call of the same kind was launched.
+
+`kernel[grid](*args, **constexprs)` makes Triton re-derive, on every call, each argument's specialisation (a
+tensor's dtype and 16-byte alignment, an integer's width, divisibility by 16 and whether it equals 1, which
+arguments are None) and the cache key of the compiled kernel, before its C launcher runs. A relgen forward passes
+~40 arguments per launch, so at N ≤ 1K, where a call is host-bound on the H200, that bookkeeping is a visible share
+of the call (benchmarks/results/h200/NOTES.md, "Tenth session").
+
+`Launcher` keeps the compiled kernel Triton returned under a *fingerprint* of the launch: the integers' values,
+the other arguments' specialisation read in Python, the current device and the keyword arguments. A fingerprint
+never merges two launches Triton would tell apart (it tells apart launches Triton merges: that costs one more
+miss, not a wrong kernel), and any argument of a kind it does not know sends the launch through Triton's path.
+On a hit the launch goes through the compiled kernel's own launcher (`CompiledKernel[grid](*all_args)`), with
+the same stream, launch hooks and scratch allocation as Triton's path. Under the interpreter every launch takes
+Triton's path (there is no compiled kernel to keep).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: fingerprint of an argument Launcher does not know: the launch takes Triton's own path
+_UNKNOWN = object()
+
+#: launch kinds kept per kernel (least recently used first out): calls of one shape repeat the same few
+CAPACITY = 64
+
+
+def _fingerprint(arg: Any) -> Any:
+    """What Triton specialises a non-integer kernel argument on (or finer), or _UNKNOWN. Integers are keyed by
+    their value (see Launcher.launch)."""
+    kind = type(arg)
+    if kind is torch.Tensor or isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is float or kind is bool or arg is None:
+        return kind
+    if kind.__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: its type names dtype and box
+        return (arg.base.dtype, tuple(arg.block_shape), arg.padding)
+    return _UNKNOWN
+
+
+class Launcher:
+    """Wraps a @triton.jit kernel; `Launcher(kernel)[grid](*args, **constexprs_and_options)` launches it."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._tail: tuple[int, list[str], list[Any]] = (-1, [], [])
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        """The Python function under the kernel (for twins compiled with other specialisations)."""
+        return self.kernel.fn
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+        # integers by value: finer than Triton's classes (1, multiple of 16, width) and twice as fast to read; the
+        # sizes and strides of a training loop or a benchmark repeat, and a seed that changes per call only
+        # costs the misses
+        fingerprint = tuple([a if type(a) is int else _fingerprint(a) for a in args])
+        key = (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if compiled is not None and key is not None:  # (the interpreter returns nothing to keep)
+                self._keep((_device(), *key[1:]), compiled)  # the first launch may have initialised CUDA
+            return
+        self._compiled.move_to_end(key)
+        compiled[_grid3(grid)](*args, *self._constexprs(len(args), kwargs))
+
+    def _keep(self, key: tuple, compiled: Any) -> None:
+        self._compiled[key] = compiled
+        if len(self._compiled) > CAPACITY:
+            self._compiled.popitem(last=False)
+
+    def _constexprs(self, given: int, kwargs: dict[str, Any]) -> map:
+        """The kernel's parameters after the positional ones, in signature order (the compiled kernel's launcher
+        takes every parameter, constexprs included; it skips those itself)."""
+        if self._tail[0] != given:
+            rest = list(inspect.signature(self.kernel.fn).parameters.values())[given:]
+            self._tail = (given, [p.name for p in rest], [p.default for p in rest])
+        _, names, defaults = self._tail
+        return map(kwargs.get, names, defaults)
+
+
+def _device() -> int | None:
+    """The current CUDA device (Triton launches there), or None before CUDA is initialised."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)

@@ -1,0 +1,142 @@
+"""relgen.launch.Launcher: a launch reuses the compiled kernel only where Triton would pick the same one.
+
+The fingerprint is checked against Triton's own specialisation (`native_specialize_impl`, which needs no GPU): two
+arguments with the same fingerprint must specialise alike. The launcher's bookkeeping is checked with a stand-in
+kernel (the interpreter compiles nothing, so the fast path only runs on the GPU: every GPU test launches through
+it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.compiler import CUDABackend
+
+from relgen import launch
+from relgen.launch import Launcher, _fingerprint
+
+
+def triton_specialisation(arg):
+    return native_specialize_impl(CUDABackend, arg, False, True, True)
+
+
+def descriptors():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    made = []
+    for dtype in (torch.float16, torch.float32):
+        k = torch.zeros(2, 3, 128, 64, dtype=dtype)
+        for box in ([1, 1, 64, 64], [1, 1, 32, 64]):
+            made.append(TensorDescriptor(k, list(k.shape), list(k.stride()), box))
+    return made
+
+
+def test_fingerprints_no_coarser_than_triton():
+    buffer = torch.zeros(64, dtype=torch.float16)
+    tensors = [buffer, buffer[1:], buffer[8:], buffer.float(), buffer.float()[1:], buffer.to(torch.bfloat16)]
+    others = [None, True, False, 0.5, 3.0, 0, 1, 16, 17, 2**31, *descriptors()]
+    fingerprint = lambda arg: arg if type(arg) is int else _fingerprint(arg)  # noqa: E731 (Launcher.launch's)
+    for a in tensors + others:
+        for b in tensors + others:
+            if fingerprint(a) == fingerprint(b):
+                assert triton_specialisation(a) == triton_specialisation(b), (a, b)
+    assert _fingerprint(buffer) != _fingerprint(buffer[1:])  # 2 bytes in: no longer on 16 bytes
+    assert _fingerprint(buffer) == _fingerprint(buffer[8:])  # 16 bytes in
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", grid, args))
+
+
+class _Kernel:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the call, returns a compiled kernel."""
+
+    def __init__(self, compiles=True):
+        self.log, self.compiles = [], compiles
+
+    @staticmethod
+    def fn(X, n, flag, BLOCK: int = 16, MODE: int = 0):
+        pass
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _Compiled(self.log) if self.compiles else None
+
+        return run
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    monkeypatch.setattr(launch, "_device", lambda: 0)
+
+
+def paths(kernel):
+    return [entry[0] for entry in kernel.log]
+
+
+def test_repeat_launch_takes_the_compiled_kernel(on_device):
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    x = torch.zeros(32, dtype=torch.float16)
+    launcher[(4, 2)](x, 17, True, BLOCK=32, num_warps=4)
+    y = x[8:]  # 16 bytes on: aligned as x
+    launcher[(8,)](y, 17, False, BLOCK=32, num_warps=4)  # a bool is never specialised
+    assert paths(kernel) == ["triton", "fast"]
+    # every parameter in signature order, defaults filled in; the grid padded to three dimensions
+    _, grid, args = kernel.log[1]
+    assert grid == (8, 1, 1) and args[0] is y and args[1:] == (17, False, 32, 0)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"n": 33},  # Triton would reuse the kernel; Launcher keys integers by value
+        {"n": 32},  # a multiple of 16 now
+        {"n": 1},  # Triton compiles 1 as a constant
+        {"n": 2**31 + 1},  # 64-bit now
+        {"x": torch.zeros(32, dtype=torch.float16)[1:]},  # off 16 bytes
+        {"x": torch.zeros(32, dtype=torch.float32)},
+        {"x": None},
+        {"BLOCK": 64},
+        {"num_warps": 8},
+    ],
+)
+def test_a_launch_triton_would_compile_apart_takes_its_path(on_device, changed):
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    call = {"x": torch.zeros(32, dtype=torch.float16), "n": 17, "BLOCK": 32, "num_warps": 4}
+
+    def run(x, n, BLOCK, num_warps):
+        launcher[(1,)](x, n, True, BLOCK=BLOCK, num_warps=num_warps)
+
+    run(**call)
+    run(**{**call, **changed})
+    run(**{**call, **changed})
+    assert paths(kernel) == ["triton", "triton", "fast"]
+
+
+def test_launch_kinds_beyond_capacity_evict_the_least_recent(on_device, monkeypatch):
+    monkeypatch.setattr(launch, "CAPACITY", 2)
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    x = torch.zeros(4)
+    for n in (3, 5, 3, 7, 3, 5):  # 5 is evicted by 7 (3 was used since)
+        launcher[(1,)](x, n, True)
+    assert paths(kernel) == ["triton", "triton", "fast", "triton", "fast", "triton"]
+
+
+def test_unknown_arguments_and_the_interpreter_always_take_tritons_path(on_device):
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    for _ in range(2):
+        launcher[(1,)](torch.zeros(4), np.int64(3), True)
+    interpreted = _Kernel(compiles=False)
+    for _ in range(2):
+        Launcher(interpreted)[(1,)](torch.zeros(4), 3, True)
+    assert paths(kernel) == paths(interpreted) == ["triton", "triton"]
