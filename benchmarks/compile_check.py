@@ -172,6 +172,7 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
+        fn = getattr(fn, "kernel", fn)  # the JITFunction under a relgen.launch.Launcher
         names = [p.name for p in fn.params]
         attrs = {(names.index(name),): CUDABackend.parse_attr(key) for name, key in launch["attrs"].items()}
         src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)

@@ -193,6 +193,49 @@ def test_backward_is_bitwise_deterministic(name):
             assert torch.equal(a, b)
 
 
+class _CountingKernel:
+    """Delegates to a JITFunction and counts the launches that went through Triton's own path."""
+
+    def __init__(self, kernel):
+        self.kernel, self.fn, self.launches = kernel, kernel.fn, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
+def test_repeat_calls_launch_the_kept_kernels(monkeypatch, name):
+    """relgen.launch.Launcher on the GPU: a repeated call launches every kernel through the compiled kernel kept
+    from the first call, not through Triton's path, and its output and gradients are bitwise those of the first."""
+    from relgen.launch import Launcher
+
+    spec = spec_of(name)
+    module = relgen.compile_mechanism(spec).module
+    launchers = [x for x in vars(module).values() if isinstance(x, Launcher)]
+    counters = []
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "_compiled", type(launcher._compiled)())
+        counters.append(_CountingKernel(launcher.kernel))
+        monkeypatch.setattr(launcher, "kernel", counters[-1])
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda")
+    leaves = list(inputs.leaves.values())
+    fn = relgen.compile_mechanism(spec)
+
+    def run():
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    first = run()
+    through_triton = sum(c.launches for c in counters)
+    assert through_triton > 0
+    second = run()
+    assert sum(c.launches for c in counters) == through_triton, "the repeated call went through Triton's path"
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 def _report(kind, figures):
     """Append measured figures to $RELGEN_GPU_REPORT (JSON lines) so a device run can bring them back."""
     path = os.environ.get("RELGEN_GPU_REPORT")
