@@ -2271,7 +2271,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse2, aq, ak, bias, kpm, *projections = ctx.saved_tensors
         geo, cfg, expanded = ctx.geo, ctx.cfg, ctx.expanded
-        if projections[0] is None and projections[1] is None and True:
+        if projections[0] is None and projections[1] is None:
             projections = _projections(q, k, expanded, geo, cfg)  # recompute_projections=True
         saved = (q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded)
         dq, dk, dv, daq, dak, dbias = _backward(do.contiguous(), saved, geo, cfg)

@@ -2113,8 +2113,6 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse2, aq, ak, bias, kpm, *projections = ctx.saved_tensors
         geo, cfg, expanded = ctx.geo, ctx.cfg, ctx.expanded
-        if projections[0] is None and projections[1] is None and False:
-            projections = _projections(q, k, expanded, geo, cfg)  # recompute_projections=True
         saved = (q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded)
         dq, dk, dv, daq, dak, dbias = _backward(do.contiguous(), saved, geo, cfg)
         return dq, dk, dv, daq, dak, dbias, None, None, None, None
