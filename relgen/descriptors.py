@@ -6,7 +6,9 @@ that each query's Z̃ entries form one ascending run; see the template's `_key_t
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,10 +19,23 @@ from relgen.config import interpreting
 enabled = True
 
 #: query-key pairs (B·H·Nq·Nk) of a call below which its saturated tiles load through pointers. Triton encodes
-#: each descriptor on the host at every launch (~40-60 µs of host time per forward on the H200's host, tenth
+#: each descriptor on the host at every launch (~40 µs of host time per forward on the H200's host, tenth
 #: session), while TMA saves 1-3 % of the forward's GPU time: that pays only where the GPU, not the host, bounds
 #: the call. The benchmark's 1K forward (2^27.6 pairs, 0.22 ms for T5) is host-bound, its 2K forward is not.
 MIN_PAIRS = 1 << 28
+
+
+@contextlib.contextmanager
+def forced(on: bool) -> Iterator[None]:
+    """Descriptors for every call that allows them whatever its size (on), or for none (off): `relgen warmup`
+    compiles the forward both ways, as calls of other batch sizes at the same length would launch it."""
+    global enabled, MIN_PAIRS
+    saved = enabled, MIN_PAIRS
+    enabled, MIN_PAIRS = on, (0 if on else MIN_PAIRS)
+    try:
+        yield
+    finally:
+        enabled, MIN_PAIRS = saved
 
 
 @functools.cache

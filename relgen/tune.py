@@ -554,7 +554,7 @@ def cli_warmup(args: argparse.Namespace) -> int:
     """`relgen warmup SPEC... [--dtype fp16] [--head-dim 64] [--seq-lens N ...]`: one forward and backward per
     length (batch 1, 12 heads) to compile every configuration the lookup picks; prints the times."""
     _require_cuda("warmup", "Triton's interpreter on the CPU compiles nothing, so there is nothing to warm up")
-    from relgen import tuning
+    from relgen import descriptors, tuning
     from relgen.runtime import compile_mechanism
     from relgen.verify import make_inputs
 
@@ -576,7 +576,9 @@ def cli_warmup(args: argparse.Namespace) -> int:
             try:
                 inputs = make_inputs(spec, b=1, h=HEADS, nq=n, d=head_dim, dtype=dtype, device="cuda", seed=0)
                 t1 = time.perf_counter()
-                out = mechanism(inputs.q, inputs.k, inputs.v, **inputs.tables)
+                for tma in (True, False):  # saturated key tiles through descriptors and through pointers
+                    with descriptors.forced(tma):
+                        out = mechanism(inputs.q, inputs.k, inputs.v, **inputs.tables)
                 torch.cuda.synchronize()
                 t2 = time.perf_counter()
                 torch.autograd.grad(out, list(inputs.leaves.values()), torch.ones_like(out))

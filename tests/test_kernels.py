@@ -92,18 +92,20 @@ def test_key_major_tiles_are_the_key_pass_only():
 
 @pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("terms", [["query"], ["query", "key"], ["bias"]])
-def test_saturated_tiles_through_descriptors_and_pointers(monkeypatch, terms, descriptors):
+def test_saturated_tiles_through_descriptors_and_pointers(terms, descriptors):
     """The forward's saturated tiles load K and V through tensor descriptors where the call allows it, else through
-    pointers: both exact, at a length with saturated tiles on both sides of the band."""
+    pointers: both exact, at a length with saturated tiles on both sides of the band (far below MIN_PAIRS: the
+    descriptors are forced, as `relgen warmup` forces them)."""
     from relgen import descriptors as kv
 
-    monkeypatch.setattr(kv, "enabled", descriptors)
-    monkeypatch.setattr(kv, "MIN_PAIRS", 0)  # the interpreter's lengths are far below the GPU's threshold
     spec = relgen.load_spec({"name": "clip", "terms": terms, "map": {"kind": "clipped", "min": -5, "max": 7}})
     inputs = make_inputs(spec, b=2, h=2, nq=80, d=16, device=DEVICE, seed=5)
-    k_desc, _ = kv.kv_descriptors(inputs.k, inputs.v, 16, varlen=False, pairs=2 * 2 * 80 * 80)
-    assert (k_desc is not None) == descriptors
-    assert_all_close(compare(spec, inputs), f"{terms} descriptors={descriptors}")
+    before = (kv.enabled, kv.MIN_PAIRS)
+    with kv.forced(descriptors):
+        k_desc, _ = kv.kv_descriptors(inputs.k, inputs.v, 16, varlen=False, pairs=2 * 2 * 80 * 80)
+        assert (k_desc is not None) == descriptors
+        assert_all_close(compare(spec, inputs), f"{terms} descriptors={descriptors}")
+    assert (kv.enabled, kv.MIN_PAIRS) == before  # restored
 
 
 def test_descriptors_only_for_layouts_tma_reads_and_calls_they_pay_for():
