@@ -653,9 +653,14 @@ def test_targets_say_when_relgen_and_its_peers_were_not_measured_together():
     assert "Not side by side" not in report.markdown(together)
     apart = [stamped(r, 16 if r["system"] == "relgen" else 11) for r in records]
     assert "Not side by side: at N = 8K relgen was measured 2026-11-29 16:00–16:00 UTC" in report.markdown(apart)
+    # the N ≥ 512 comparison says per length how many peer records were measured apart from relgen's
+    peers_at = {n: sum(r["system"] != "relgen" and r["seq_len"] == n for r in records) for n in (512, 8192)}
+    assert f"N = 512 {peers_at[512]} of {peers_at[512]}, " in report.markdown(apart)
+    assert f"8K {peers_at[8192]} of {peers_at[8192]}." in report.markdown(apart)
     # one peer record from an earlier run among side-by-side ones is named
     old = next(r for r in records if r["system"] != "relgen" and r["seq_len"] == 8192)
     mixed = [stamped(r, 11 if r is old else 16) for r in records]
     text = report.markdown(mixed)
     assert "1 peer record(s) come from another run, 2026-11-29 11:00–11:00 UTC" in text
+    assert f"N = 8K 1 of {peers_at[8192]}." in text
     assert f"{old['mechanism']} {old['system']} {old['pass']}." in text

@@ -226,14 +226,21 @@ def _when(record: dict[str, Any]) -> datetime.datetime | None:
     return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z") if stamp else None
 
 
+def _apart(records: list[dict[str, Any]], n: int) -> tuple[list[datetime.datetime], list[dict], int]:
+    """At length n: relgen's measurement times, the peers' records measured more than SAME_RUN outside them, and
+    how many peer records there are."""
+    at_n = [r for r in records if r["seq_len"] == n and _when(r) is not None]
+    ours = sorted(_when(r) for r in at_n if r["system"] == "relgen")
+    peers = [r for r in at_n if r["system"] != "relgen"]
+    if not ours:
+        return ours, [], len(peers)
+    run = (ours[0] - SAME_RUN, ours[-1] + SAME_RUN)
+    return ours, [r for r in peers if not run[0] <= _when(r) <= run[1]], len(peers)
+
+
 def _provenance(records: list[dict[str, Any]]) -> list[str]:
     """Says so, naming them, when peers' records at TARGET_LENGTH come from another run than relgen's."""
-    at_target = [r for r in records if r["seq_len"] == TARGET_LENGTH and _when(r) is not None]
-    ours = sorted(_when(r) for r in at_target if r["system"] == "relgen")
-    if not ours:
-        return []
-    run = (ours[0] - SAME_RUN, ours[-1] + SAME_RUN)
-    apart = [r for r in at_target if r["system"] != "relgen" and not run[0] <= _when(r) <= run[1]]
+    ours, apart, _ = _apart(records, TARGET_LENGTH)
     if not apart:
         return []
 
@@ -246,6 +253,22 @@ def _provenance(records: list[dict[str, Any]]) -> list[str]:
         f"Not side by side: at N = {fmt_n(TARGET_LENGTH)} relgen was measured {span(ours)}; {len(apart)} peer "
         f"record(s) come from another run, {span(sorted(_when(r) for r in apart))} (same settings and machine "
         f"type): {names}.",
+    ]
+
+
+def _provenance_from(records: list[dict[str, Any]], first: int) -> list[str]:
+    """Per length from `first` on, how many peer records come from another run than relgen's at that length."""
+    counts = []
+    for n in sorted({r["seq_len"] for r in records if r["seq_len"] >= first}):
+        _, apart, peers = _apart(records, n)
+        if apart:
+            counts.append(f"{fmt_n(n)} {len(apart)} of {peers}")
+    if not counts:
+        return []
+    return [
+        "",
+        "Not side by side (peer records more than an hour from relgen's at that length; same settings and machine "
+        f"type): N = {', '.join(counts)}.",
     ]
 
 
@@ -269,6 +292,7 @@ def targets_markdown(records: list[dict[str, Any]]) -> list[str]:
     lines += _provenance(records)
     lines += ["", f"relgen faster than every exact peer at N ≥ {fmt_n(FASTEST_FROM)}, both passes:", ""]
     lines += [_fastest_line(m, index) for m, index in indexes.items()]
+    lines += _provenance_from(records, FASTEST_FROM)
     lines += ["", f"Stretch: forward at N = {n} at least {STRETCH_FRACTION}× plain SDPA's speed:", ""]
     for mechanism in STRETCH_MECHANISMS:
         index = indexes.get(mechanism, {})
