@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,9 @@ import relgen
 import relgen.descriptors
 from relgen.launch import Launcher
 from relgen.verify import make_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_kernels import kernel_times, profile_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS, HEAD_DIM = 16384, 12, 64
@@ -39,33 +43,6 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def gpu_ms(fn: Callable[[], object], calls: int = 10) -> float:
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0) / 1000 / calls
-
-
-def profile_top(fn: Callable[[], object], calls: int = 200, rows: int = 18) -> list[str]:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    profiler.disable()
-    stats = pstats.Stats(profiler).sort_stats("tottime")
-    ranked = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:rows]
-    return [
-        f"{tt / calls * 1e6:7.1f} us own {ct / calls * 1e6:7.1f} us cum {nc // calls:3d}x {Path(p).name}:{ln}({fn_})"
-        for (p, ln, fn_), (_, nc, tt, ct, _) in ranked
-    ]
 
 
 def main() -> None:
@@ -107,15 +84,15 @@ def main() -> None:
         "descriptors": not args.no_descriptors,
         "host_us_fwd": host_us(forward),
         "host_us_bwd": host_us(backward),
-        "gpu_ms_fwd": gpu_ms(forward),
-        "gpu_ms_bwd": gpu_ms(backward),
+        "gpu_ms_fwd": sum(kernel_times(forward, iters=10).values()),
+        "gpu_ms_bwd": sum(kernel_times(backward, iters=10).values()),
         "bench_ms_fwd": triton.testing.do_bench(forward, warmup=50, rep=100, return_mode="median"),
         "bench_ms_bwd": triton.testing.do_bench(backward, warmup=50, rep=100, return_mode="median"),
         "cpu": int(Path("/proc/self/stat").read_text().split()[38]),
         "load": os.getloadavg()[0],
     }
     if args.profile:
-        record["profile_fwd"] = profile_top(forward)
+        record["profile_fwd"] = profile_calls(forward, rows=18)
     print(json.dumps(record), flush=True)
 
 

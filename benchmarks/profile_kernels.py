@@ -64,29 +64,33 @@ def host_ms(fn, qkv, tables, calls: int = 200) -> float:
 
 def host_profile(fn, qkv, tables, calls: int = 200) -> list[str]:
     """The Python functions a forward call spends its host time in (cProfile, by own time)."""
+    with torch.no_grad():
+        fn(*qkv, **tables)
+        torch.cuda.synchronize()
+        return profile_calls(lambda: fn(*qkv, **tables), calls)
+
+
+def profile_calls(run, calls: int = 200, rows: int = 25) -> list[str]:
+    """cProfile of `calls` calls of `run`: the `rows` functions with the most own time, per call."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
-    with torch.no_grad():
-        fn(*qkv, **tables)
-        torch.cuda.synchronize()
-        profiler.enable()
-        for _ in range(calls):
-            fn(*qkv, **tables)
-        torch.cuda.synchronize()
-        profiler.disable()
-    stats = pstats.Stats(profiler).sort_stats("tottime")
-    rows = []
-    for (path, line, name), (_, ncalls, tottime, cumtime, _) in list(stats.stats.items()):
-        rows.append(
+    profiler.enable()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    ranked = []
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
+        ranked.append(
             (
                 tottime,
                 f"{tottime / calls * 1e6:8.1f} us own {cumtime / calls * 1e6:8.1f} us cum "
                 f"{ncalls // calls:3d}x {Path(path).name}:{line}({name})",
             )
         )
-    return [text for _, text in sorted(rows, reverse=True)[:25]]
+    return [text for _, text in sorted(ranked, reverse=True)[:rows]]
 
 
 def bench(run) -> float:
