@@ -386,6 +386,59 @@ def _score_tile(
 # ------------------------------------------------------------------------------------------------------------
 # projection: Z̃[t, w] = x_t · Ã[s0(g(t)) + w] (+ b̃) over each group's window only
 # ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _project_columns(
+    x,
+    table_h,
+    bias_h,
+    z_rows,
+    end_rows,
+    t_ok,
+    start,
+    C,
+    W,
+    w_lo,
+    w_hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+    CLAMP_FP16: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
+    head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
+    compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    hi_col = C - 1 - start  # the end columns' places in this group's window
+    lo_col = -start
+    if w_lo == 0:
+        zero = tl.zeros(t_ok.shape, tl.float32).to(end_rows.dtype.element_ty)
+        tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
+        tl.store(end_rows + 1, zero, mask=t_ok & (lo_col < 0))
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        w_ok = offs_w < W
+        table = tl.load(table_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0)
+        z = tl.dot(x, tl.trans(table), input_precision=PREC)
+        if FOLD_BIAS:
+            z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
+        if CLAMP_FP16:
+            z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
+        tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
+        if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
+            tl.store(
+                end_rows,
+                tl.sum(tl.where(offs_w[None, :] == hi_col, z, 0.0), 1).to(end_rows.dtype.element_ty),
+                mask=t_ok,
+            )
+        if (lo_col >= w0) & (lo_col < w0 + BLOCK_W):
+            tl.store(
+                end_rows + 1,
+                tl.sum(tl.where(offs_w[None, :] == lo_col, z, 0.0), 1).to(end_rows.dtype.element_ty),
+                mask=t_ok,
+            )
+
+
 @_rt.Launcher
 @triton.jit
 def _project_kernel(
@@ -420,8 +473,7 @@ def _project_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
-    The entries at the end columns C − 1 and 0 also go to the compact buffer ENDS [token, 2] (0 if unreached)."""
+    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out."""
     ZS = ZS_A * ROW_ALIGN
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
@@ -434,39 +486,26 @@ def _project_kernel(
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
     x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None])
-    z_rows = Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
-    col_end = tl.minimum((pid_w + 1) * cols_per_program, ZS)
-    end_rows = ENDS + (row0.to(tl.int64) + offs_t) * 2
-    hi_col = C - 1 - start  # the end columns' places in this group's window
-    lo_col = -start
-    if pid_w == 0:  # an end column outside the window: its entry reads as 0
-        zero = tl.zeros([BLOCK_T], tl.float32).to(ENDS.dtype.element_ty)
-        tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
-        tl.store(end_rows + 1, zero, mask=t_ok & (lo_col < 0))
-    for w0 in range(pid_w * cols_per_program, col_end, BLOCK_W):
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        w_ok = offs_w < W
-        table = tl.load(
-            TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0
-        )
-        z = tl.dot(x, tl.trans(table), input_precision=PREC)
-        if FOLD_BIAS:
-            z += tl.load(BIAS + h * sb_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
-        if CLAMP_FP16:
-            z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
-        tl.store(z_rows + offs_w[None, :], z.to(Z.dtype.element_ty), mask=t_ok[:, None] & (offs_w < col_end)[None, :])
-        if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
-            tl.store(
-                end_rows, tl.sum(tl.where(offs_w[None, :] == hi_col, z, 0.0), 1).to(ENDS.dtype.element_ty), mask=t_ok
-            )
-        if (lo_col >= w0) & (lo_col < w0 + BLOCK_W):
-            tl.store(
-                end_rows + 1,
-                tl.sum(tl.where(offs_w[None, :] == lo_col, z, 0.0), 1).to(ENDS.dtype.element_ty),
-                mask=t_ok,
-            )
+    _project_columns(
+        x,
+        TABLE + h * st_h,
+        BIAS + h * sb_h,
+        Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS,
+        ENDS + (row0.to(tl.int64) + offs_t) * 2,
+        t_ok,
+        start,
+        C,
+        W,
+        pid_w * cols_per_program,
+        tl.minimum((pid_w + 1) * cols_per_program, ZS),
+        HEAD_DIM,
+        BLOCK_W,
+        FOLD_BIAS,
+        CLAMP_FP16,
+        PREC,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -639,6 +678,10 @@ def _attn_fwd_kernel(
     ZSQ_A,
     ZSK_A,
     qk_scale,
+    AQ,
+    AQ_BIAS,
+    saq_h,
+    saqb_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -650,9 +693,13 @@ def _attn_fwd_kernel(
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
     TMA: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CLAMP_FP16: tl.constexpr,
 ):
     """TMA: K_DESC, V_DESC are tensor descriptors over K and V [B, H, N, d] (boxes [1, 1, BN, d]) that the saturated
-    tiles load through; otherwise they are None and every tile loads through pointers."""
+    tiles load through; otherwise they are None and every tile loads through pointers.
+    ZQ and ZQE are outputs here: each program writes its rows of Z̃^Q from AQ = Ã^Q (+ AQ_BIAS = b̃ when folded) in
+    column tiles of BLOCK_W."""
     ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -671,6 +718,27 @@ def _attn_fwd_kernel(
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
+    # launch, and the band tiles below gather them back from cache instead of HBM
+    _project_columns(
+        q,
+        AQ + h * saq_h,
+        AQ_BIAS + h * saqb_h,
+        zq_bh + offs_m[:, None] * ZSQ,
+        ZQE + (row_q.to(tl.int64) + offs_m) * 2,
+        offs_m < Nq,
+        s0,
+        C,
+        WQ,
+        0,
+        ZSQ,
+        HEAD_DIM,
+        BLOCK_W,
+        False,
+        CLAMP_FP16,
+        PREC,
+    )
+    tl.debug_barrier()  # other threads of this program read those stores back
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -703,25 +771,7 @@ def _attn_fwd_kernel(
         b_hi,
         b_lo,
     )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        0,
-        n_hi,
-        *args,
-        HEAD_DIM,
-        BLOCK_N,
-        GROUP,
-        SAT_HIGH,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
+
     acc, l_i, m_i = _fwd_range(
         acc,
         l_i,
@@ -772,6 +822,25 @@ def _attn_fwd_kernel(
         BLOCK_N,
         GROUP,
         BAND,
+        False,
+        CAUSAL,
+        HAS_KPM,
+        DROPOUT,
+        PREC,
+        TMA,
+    )
+    acc, l_i, m_i = _fwd_range(
+        acc,
+        l_i,
+        m_i,
+        *common,
+        0,
+        n_hi,
+        *args,
+        HEAD_DIM,
+        BLOCK_N,
+        GROUP,
+        SAT_HIGH,
         False,
         CAUSAL,
         HAS_KPM,
@@ -1920,13 +1989,18 @@ def _sizes(geo):
     return geo.heads, geo.nq, geo.nk, geo.total
 
 
+def _projection_buffers(geo, query_side, device):
+    """Z̃ [token rows, W padded to ROW_ALIGN] and its end columns [token rows, 2] (see _ends), unwritten."""
+    width = geo.projection_columns(query_side)[1]
+    z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=device, dtype=geo.z_dtype)
+    return z, torch.empty((geo.token_rows(query_side), 2), device=device, dtype=geo.z_dtype)
+
+
 def _project(x, table, bias, geo, cfg, query_side):
-    """Stored projection Z̃ [token rows, W] of x onto its groups' windows of the expanded table, and its end
-    columns [token rows, 2] (see _ends)."""
+    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
-    z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=x.device, dtype=geo.z_dtype)
-    ends = torch.empty((geo.token_rows(query_side), 2), device=x.device, dtype=geo.z_dtype)
+    z, ends = _projection_buffers(geo, query_side, x.device)
     c = cfg.project
     token_programs = _rt.cdiv(ntok, c.block_t) * geo.batch * geo.heads
     splits = _rt.column_splits(token_programs, _rt.cdiv(width, c.block_w), x.device)
@@ -1964,10 +2038,14 @@ def _project(x, table, bias, geo, cfg, query_side):
     return z, ends
 
 
-def _projections(q, k, expanded, geo, cfg):
-    """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have."""
+def _projections(q, k, expanded, geo, cfg, for_forward=False):
+    """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have.
+    for_forward: Z̃^Q's buffers only, which the forward kernel fills (gen.fused_zq)."""
     zq = zk = zqe = zke = None
-    zq, zqe = _project(q, expanded.aq, None, geo, cfg, True)
+    if for_forward:
+        zq, zqe = _projection_buffers(geo, True, q.device)
+    else:
+        zq, zqe = _project(q, expanded.aq, None, geo, cfg, True)
     return zq, zk, zqe, zke
 
 
@@ -2012,6 +2090,10 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         geo.table_head_stride(bias_vec),
         *_scalar_args(geo),
         geo.qk_scale,
+        expanded.aq,
+        _or(None, dummy),
+        geo.table_head_stride(expanded.aq),
+        geo.table_head_stride(None),
         HEAD_DIM=geo.head_dim,
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
@@ -2025,6 +2107,8 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         TMA=k_desc is not None,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
+        BLOCK_W=cfg.project.block_w,
+        CLAMP_FP16=geo.clamp_fp16,
     )
     return o, lse2
 
@@ -2257,7 +2341,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, aq, ak, bias, kpm, geo, cfg, keep_projections):
         expanded = geo.expand(aq, ak, bias)
-        projections = _projections(q, k, expanded, geo, cfg)
+        projections = _projections(q, k, expanded, geo, cfg, for_forward=True)
         o, lse2 = _forward(q, k, v, projections, expanded, kpm, geo, cfg)
         if not keep_projections:
             projections = (None,) * 4

@@ -30,6 +30,9 @@ class GenerationFlags:
     saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
     in_tile: bool  # relation products formed per band tile from Ã (ablation no_projections), not read from Z̃
     by_row: bool  # projections stored per table row and read at β(s(δ)) (ablation no_bucket_copies)
+    # the forward's programs write their own rows of Z̃^Q ahead of their key tiles instead of a projection launch
+    # (saturating maps only: a row's window is at most C columns, where an unbounded map's grows with N)
+    fused_zq: bool
     # band runs split off their interior tiles (kind INNER: no predicates, end terms or boundary sums) where a band
     # score gathers a projection; a bias-only band reads one cached b̃ value per score, and on the H200 the split's
     # extra loops cost T5 3-12% in the backward (benchmarks/results/h200/NOTES.md, sixth session)
@@ -64,6 +67,10 @@ class GenerationFlags:
             saturates=not plan.length_dependent,
             in_tile=plan.relations == "in_tile",
             by_row=plan.projections == "by_row",
+            fused_zq=plan.has_query
+            and not plan.length_dependent
+            and plan.relations != "in_tile"
+            and plan.projections != "by_row",
             inner_runs=plan.has_query or plan.has_key,
             end_terms=" + ".join(
                 part

@@ -260,3 +260,38 @@ def test_unknown_ablation_is_refused():
     inputs = make_inputs(spec, b=1, h=2, nq=5, d=16, device=DEVICE)
     with pytest.raises(ValueError, match=r"^ablation"):
         relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_such_thing")
+
+
+QUERY_BIAS = {"name": "qb", "terms": ["query", "bias"], "map": {"kind": "clipped", "min": -5, "max": 3}}
+
+
+@pytest.mark.parametrize(
+    ("name", "nq", "nk"),
+    [("shaw", 70, 70), ("deberta_v3", 45, 70), (QUERY_BIAS, 70, 33), (QUERY_BIAS, 1, 40)],
+    ids=lambda x: x["name"] if isinstance(x, dict) else str(x),
+)
+def test_forward_writes_the_projection_kernels_rows(name, nq, nk):
+    """gen.fused_zq: the forward's programs write Z̃^Q (with a folded b̃) and its end columns themselves; they equal
+    what _project_kernel writes, bitwise, on every column a kernel reads (the window's W; the rest is padding)."""
+    spec = relgen.load_spec(name if isinstance(name, dict) else spec_path(name))
+    mechanism = relgen.compile_mechanism(spec)
+    module = mechanism.module
+    assert codegen.GenerationFlags.from_plan(mechanism.plan).fused_zq
+    inputs = make_inputs(spec, b=2, h=2, nq=nq, nk=nk, d=16, device=DEVICE, seed=nq + nk)
+    tables = [inputs.tables.get(t) for t in ("aq", "ak", "bias")]
+    call = prepare_call(module.PLAN, inputs.q, inputs.k, inputs.v, *tables)
+    geo = call.geo
+    expanded = geo.expand(call.aq, call.ak, call.bias)
+    zq, _, zqe, _ = module._projections(call.q, call.k, expanded, geo, geo.config)
+    fused = module._projections(call.q, call.k, expanded, geo, geo.config, for_forward=True)
+    module._forward(call.q, call.k, call.v, fused, expanded, call.kpm, geo, geo.config)
+    width = geo.projection_columns(True)[1]
+    assert torch.equal(fused[0][:, :width], zq[:, :width])
+    assert torch.equal(fused[2], zqe)
+
+
+def test_unbounded_maps_keep_the_projection_launch():
+    """An identity map's window grows with N (TXL: W = N + G − 1 columns per query), so its forward does not write
+    Z̃^Q itself."""
+    plan = relgen.compile_mechanism(relgen.load_spec(spec_path("txl"))).plan
+    assert not codegen.GenerationFlags.from_plan(plan).fused_zq
