@@ -58,19 +58,17 @@ class GenerationFlags:
             bias_mode = "vector"
         bias_from = {"folded_query": "query", "vector": "query", "folded_key": "key"}.get(bias_mode)
         terms = {"query": "q·a^Q_φ", "key": "k·a^K_φ", "bias": "b_φ"}
+        saturates = not plan.length_dependent
         return cls(
             reads_zq=plan.has_query,
             reads_zk=plan.has_key,
             bias_mode=bias_mode,
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
-            saturates=not plan.length_dependent,
+            saturates=saturates,
             in_tile=plan.relations == "in_tile",
             by_row=plan.projections == "by_row",
-            fused_zq=plan.has_query
-            and not plan.length_dependent
-            and plan.relations != "in_tile"
-            and plan.projections != "by_row",
+            fused_zq=plan.has_query and saturates and plan.relations != "in_tile" and plan.projections != "by_row",
             inner_runs=plan.has_query or plan.has_key,
             end_terms=" + ".join(
                 part
