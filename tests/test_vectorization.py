@@ -1,9 +1,9 @@
 """The kernels compiled for sm_90 here without a GPU (Triton's bundled ptxas): memory-access widths, and
 compilation itself at edge lengths.
 
-The projection's stores and the reductions' dZ̃ loads stream whole rows: they must stay 16-byte vector accesses
-(the table reduction's where every window starts on a multiple of 16 columns). A 2-byte scalar access there
-cost 6× on the H200 (benchmarks/results/h200/NOTES.md)."""
+The projection's stores (the forward's, where it writes Z̃^Q itself) and the reductions' dZ̃ loads stream whole
+rows: they must stay 16-byte vector accesses (the table reduction's where every window starts on a multiple of 16
+columns). A 2-byte scalar access there cost 6× on the H200 (benchmarks/results/h200/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import relgen
+from relgen import codegen
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,21 +69,36 @@ def count(ops: str, op: str) -> int:
 )
 def test_streaming_kernels_use_vector_accesses(spec, seq_len):
     ops = memory_ops(spec, seq_len)
-    assert {"_project_kernel", "_reduce_tokens_kernel", "_reduce_table_kernel"} <= set(ops), ops
+    plan = relgen.compile_mechanism(ROOT / "specs" / spec).plan
+    fused = codegen.GenerationFlags.from_plan(plan).fused_zq  # the forward writes Z̃^Q itself
+    projected = (not fused and plan.has_query) or plan.has_key  # sides _project_kernel writes in the forward
+    streaming = ["_reduce_tokens_kernel", "_reduce_table_kernel"] + (["_project_kernel"] if projected else [])
+    assert set(streaming) <= set(ops) and ("_project_kernel" in ops) == projected, ops
     # Z̃ rows go out as 16-byte stores, enough to write a thread's share of the fp16 tile; the few 2-byte ones are
     # the end-column buffer's (2 entries per token), where the scalar row stores of the bug were 64 per thread
-    project = re.search(r"project=ProjectTiles\(block_t=(\d+), block_w=(\d+), num_warps=(\d+)", ops["tiles"][0])
-    block_t, block_w, warps = (int(x) for x in project.groups())
+    tiles = ops["tiles"][0]
+    block_t, block_w, warps = _ints(r"project=ProjectTiles\(block_t=(\d+), block_w=(\d+), num_warps=(\d+)", tiles)
     share = block_t * block_w * 2 // (32 * warps)  # bytes of the Z̃ tile per thread
-    for launch in ops["_project_kernel"]:  # each side's projection
-        assert count(launch, "st.v4.b32") * 16 >= share and count(launch, "st.b16") <= 4, (launch, ops["tiles"])
+    for launch in ops.get("_project_kernel", []):  # each projected side
+        assert count(launch, "st.v4.b32") * 16 >= share and count(launch, "st.b16") <= 4, (launch, tiles)
+    if fused:  # the forward's stores: its block's Z̃^Q tiles and its O tile (d = 64), all 16 bytes wide
+        block_m, fwd_warps = _ints(r"forward=AttnTiles\(block_m=(\d+), block_n=\d+, num_warps=(\d+)", tiles)
+        shares = block_m * (block_w + 64) * 2 // (32 * fwd_warps)
+        (launch,) = ops["_attn_fwd_kernel"]
+        assert count(launch, "st.v4.b32") * 16 >= shares and count(launch, "st.b16") <= 4, (launch, tiles)
     for launch in ops["_reduce_tokens_kernel"] + ops["_reduce_table_kernel"]:  # windows start at 0 here: aligned
         assert count(launch, "ld.b16") == 0, launch
     # the streaming kernels hold one tile at a time: no spills (the attention passes are another matter, NOTES.md)
-    for name in ("_project_kernel", "_reduce_tokens_kernel", "_reduce_table_kernel"):
+    for name in streaming:
         for usage in ops[f"{name} usage"]:
             regs, spilled = (int(x) for x in usage.split())
             assert regs <= 255 and spilled == 0, (name, usage)
+
+
+def _ints(pattern: str, text: str) -> tuple[int, ...]:
+    match = re.search(pattern, text)
+    assert match, (pattern, text)
+    return tuple(int(x) for x in match.groups())
 
 
 @pytest.mark.parametrize("spec", ["txl.yaml", "deberta_v3.yaml"])
