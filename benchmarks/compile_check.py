@@ -76,14 +76,17 @@ def record(
     interpreter.InterpretedFunction.run = run
     spec = relgen.load_spec(spec_path)
     torch_dtype = getattr(torch, DTYPES[dtype])
-    plan = relgen.compile_mechanism(spec).module.PLAN
+    mechanism = relgen.compile_mechanism(spec)
+    # an ablation's variant is its own kernel family (tuning.plan_family), with its own tiles
+    module = mechanism._ablated(mechanism.module, ablation, {})[0] if ablation else mechanism.module
+    plan = module.PLAN
     terms = tuple(plan.terms)
     # the configuration the GPU would run at `config_for` tokens: the committed table's entry for this
     # architecture, else the resource heuristic (asked for while not interpreting)
     cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, 64, config_for)
     if cfg is None:
         os.environ["TRITON_INTERPRET"] = "0"
-        cfg = runtime.default_config(torch_dtype, 64, config_for, terms)
+        cfg = runtime.default_config(torch_dtype, 64, config_for, terms, plan.relations == "in_tile")
         os.environ["TRITON_INTERPRET"] = "1"
     for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
         (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])

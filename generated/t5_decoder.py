@@ -44,6 +44,7 @@ PLAN = _rt.PlanInfo(
     path="offset",
     valid_up_to=None,
     projections="by_offset",
+    relations="projected",
 )
 # fmt: on
 

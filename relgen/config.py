@@ -111,9 +111,10 @@ class override_config:
 
 
 def default_config(
-    dtype: torch.dtype, head_dim: int, seq_len: int, terms: tuple[str, ...] = ("query",)
+    dtype: torch.dtype, head_dim: int, seq_len: int, terms: tuple[str, ...] = ("query",), in_tile: bool = False
 ) -> KernelConfig:
-    """Resource heuristic for CUDA GPUs when no tuned entry exists."""
+    """Resource heuristic for CUDA GPUs when no tuned entry exists. in_tile: the band tiles form their relation
+    products from Ã (ablation no_projections)."""
     if interpreting():
         return INTERPRETER_CONFIG
     big_d = head_dim > 64
@@ -121,9 +122,12 @@ def default_config(
     # a band tile that gathers both Z^Q and Z^K holds twice the per-score registers: on the H200 64-row forward
     # tiles beat 128 rows for query+key at every tuned length (1.9× at 512 and 2K, 1.35× at 8K; sm90.json)
     two_gathers = "query" in terms and "key" in terms
+    # in-tile products hold a [BM, BM + BN − 1] window of fp32 products per band tile: with 128 rows Shaw's 8K
+    # forward spills 38 KB per thread, with 64 rows 2 KB (benchmarks/compile_check.py, sm_90)
+    wide_rows = not (fp32 or two_gathers or in_tile)
     # 4 warps beat 8 on the H200 for every shipped spec at 8K (benchmarks/results/h200/NOTES.md, tile sweep)
     fwd = AttnTiles(
-        128 if not (fp32 or two_gathers) else 64,
+        128 if wide_rows else 64,
         64 if not big_d else 32,
         num_warps=8 if big_d and not fp32 else 4,
         num_stages=3 if not big_d else 2,
@@ -145,15 +149,25 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
         return _override[-1]
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
-    return _selected(plan.terms, tuning.plan_family(plan), dtype, head_dim, tuning.bucket(seq_len), interpreting())
+    family = tuning.plan_family(plan)
+    in_tile = plan.relations == "in_tile"
+    return _selected(plan.terms, family, in_tile, dtype, head_dim, tuning.bucket(seq_len), interpreting())
 
 
 @functools.lru_cache(maxsize=256)
-def _selected(terms: tuple[str, ...], family: str, dtype: torch.dtype, head_dim: int, bucket: int, interpreted: bool):
+def _selected(
+    terms: tuple[str, ...],
+    family: str,
+    in_tile: bool,
+    dtype: torch.dtype,
+    head_dim: int,
+    bucket: int,
+    interpreted: bool,
+):
     """select_config once per (kernel family, dtype, head dim, length bucket): every length of a bucket shares it."""
     from relgen import tuning
 
-    return tuning.lookup(family, dtype, head_dim, bucket) or default_config(dtype, head_dim, bucket, terms)
+    return tuning.lookup(family, dtype, head_dim, bucket) or default_config(dtype, head_dim, bucket, terms, in_tile)
 
 
 def cdiv(a: int, b: int) -> int:

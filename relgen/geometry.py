@@ -37,6 +37,7 @@ class PlanInfo:
     path: str
     valid_up_to: int | None
     projections: str = "by_offset"  # "by_row": stored per table row, read through β (ablation no_bucket_copies)
+    relations: str = "projected"  # "in_tile": products formed per band tile from Ã (ablation no_projections)
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)

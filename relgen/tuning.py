@@ -31,8 +31,13 @@ def _table(capability: str) -> dict[str, Any]:
 
 
 def plan_family(plan: Any) -> str:
-    """The kernel family of a plan (PlanInfo or Plan): its terms, and whether its map saturates."""
-    return "+".join(plan.terms) + ("@unsaturated" if plan.length_dependent else "")
+    """The kernel family of a plan (PlanInfo or Plan): its terms, whether its map saturates, and whether its band
+    tiles form their relation products in-tile (ablation no_projections: other register needs, no tuned entries)."""
+    return (
+        "+".join(plan.terms)
+        + ("@unsaturated" if plan.length_dependent else "")
+        + ("@in_tile" if plan.relations == "in_tile" else "")
+    )
 
 
 def table_key(family: str, dtype: torch.dtype, head_dim: int, seq_len: int) -> str:
