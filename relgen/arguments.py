@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +47,14 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _check_tensor(name: str, t: Any, rank: int, expected: str) -> torch.Tensor:
+def _check_tensor(name: str, t: Any, rank: int, expected: Callable[[], str]) -> torch.Tensor:
+    """t if it is a tensor of `rank` dimensions; `expected()` describes the shape in the error (built only then:
+    this runs on every call, where formatting costs as much as the checks)."""
+    if isinstance(t, torch.Tensor) and t.dim() == rank:
+        return t
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a tensor of shape {expected}, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected shape {expected} (rank {rank}), got {_shape(t)}")
-    return t
+        raise ValueError(f"{name}: expected a tensor of shape {expected()}, got {type(t).__name__}")
+    raise ValueError(f"{name}: expected shape {expected()} (rank {rank}), got {_shape(t)}")
 
 
 def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -100,29 +103,14 @@ def prepare_call(
     length = max(q_offset + nq, k_offset + nk)
     rows = plan.rows_at(length)
 
-    tables = {"aq": (aq, "query", 3), "ak": (ak, "key", 3), "bias": (bias, "bias", 2)}
-    checked: dict[str, torch.Tensor | None] = {}
-    for name, (t, term, rank) in tables.items():
-        shared = plan.shared_tables
-        want = ((rows, d) if shared else (h, rows, d)) if rank == 3 else ((rows,) if shared else (h, rows))
-        expected = "[" + ", ".join(map(str, want)) + "]"
-        if term not in plan.terms:
-            if t is not None:
-                raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
-            checked[name] = None
-            continue
-        if t is None:
-            raise ValueError(f"{name}: required by the spec's '{term}' term, expected shape {expected}")
-        t = _check_tensor(name, t, len(want), expected)
-        if t.shape != want:
-            raise ValueError(f"{name}: expected shape {expected}, got {_shape(t)}")
-        if rank == 3 and t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
-        if rank == 2 and not t.is_floating_point():
-            raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
-        checked[name] = t.contiguous()
+    checked = [
+        _check_table(plan, name, t, term, want, q)
+        for name, t, term, want in (
+            ("aq", aq, "query", (rows, d) if plan.shared_tables else (h, rows, d)),
+            ("ak", ak, "key", (rows, d) if plan.shared_tables else (h, rows, d)),
+            ("bias", bias, "bias", (rows,) if plan.shared_tables else (h, rows)),
+        )
+    ]
 
     kpm = None
     if key_padding_mask is not None:
@@ -175,16 +163,38 @@ def prepare_call(
         _lastdim_contiguous(q),
         _lastdim_contiguous(k),
         _lastdim_contiguous(v),
-        checked["aq"],
-        checked["ak"],
-        checked["bias"],
+        *checked,
         kpm,
         geo,
     )
 
 
+def _check_table(plan: PlanInfo, name: str, t: Any, term: str, want: tuple[int, ...], q: torch.Tensor):
+    """A relation table (aq, ak: rank 3 or 2 when shared; bias: rank 2 or 1), or None for a term the spec lacks."""
+    if term not in plan.terms:
+        if t is not None:
+            raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
+        return None
+
+    def expected() -> str:
+        return "[" + ", ".join(map(str, want)) + "]"
+
+    if t is None:
+        raise ValueError(f"{name}: required by the spec's '{term}' term, expected shape {expected()}")
+    t = _check_tensor(name, t, len(want), expected)
+    if t.shape != want:
+        raise ValueError(f"{name}: expected shape {expected()}, got {_shape(t)}")
+    if term != "bias" and t.dtype != q.dtype:
+        raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
+    if term == "bias" and not t.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+    return t.contiguous()
+
+
 def _check_q(q, rank: int, expected: str) -> torch.Tensor:
-    q = _check_tensor("q", q, rank, expected)
+    q = _check_tensor("q", q, rank, lambda: expected)
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
@@ -195,8 +205,8 @@ def _check_q(q, rank: int, expected: str) -> torch.Tensor:
 def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     q = _check_q(q, 4, "[B, H, Nq, d]")
     b, h, nq, d = q.shape
-    k = _check_tensor("k", k, 4, f"[{b}, {h}, Nk, {d}]")
-    v = _check_tensor("v", v, 4, f"[{b}, {h}, Nk, {d}]")
+    k = _check_tensor("k", k, 4, lambda: f"[{b}, {h}, Nk, {d}]")
+    v = _check_tensor("v", v, 4, lambda: f"[{b}, {h}, Nk, {d}]")
     nk = k.shape[2]
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
@@ -219,7 +229,7 @@ class Packed:
 def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset) -> Packed:
     q = _check_q(q, 3, "[total, H, d] (packed: cu_seqlens given)")
     for name, t in (("k", k), ("v", v)):
-        t = _check_tensor(name, t, 3, f"{_shape(q)} like q (packed)")
+        t = _check_tensor(name, t, 3, lambda: f"{_shape(q)} like q (packed)")
         if t.shape != q.shape:
             raise ValueError(f"{name}: expected shape {_shape(q)} like q (packed sequences), got {_shape(t)}")
     if cu_seqlens is None:
