@@ -77,7 +77,10 @@ KEY_PASS_TILES = (
     *((*t, True) for t in (*_KEY_PASS_SHAPES, (32, 128, 8, 2))),
 )
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
-PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2))
+#: A forward that writes its own Z̃^Q (GenerationFlags.fused_zq) takes only block_w from these, as its prologue's
+#: column tile: 32 and 128 are there for it (H200, 8K: DeBERTa 2.349 ms with 128 against 2.366 with 64; Shaw
+#: 1.221 with 32 against 1.232; NOTES.md, twelfth session).
+PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 128, 8, 2))
 REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
 
 #: do_bench settings: short, the candidate lists are many.
