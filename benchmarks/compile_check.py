@@ -86,7 +86,7 @@ def record(
     cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, 64, config_for)
     if cfg is None:
         os.environ["TRITON_INTERPRET"] = "0"
-        cfg = runtime.default_config(torch_dtype, 64, config_for, terms, plan.relations == "in_tile")
+        cfg = runtime.default_config(torch_dtype, 64, config_for, terms, tuning.in_tile(plan))
         os.environ["TRITON_INTERPRET"] = "1"
     for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
         (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])

@@ -59,6 +59,8 @@ class GenerationFlags:
         bias_from = {"folded_query": "query", "vector": "query", "folded_key": "key"}.get(bias_mode)
         terms = {"query": "q·a^Q_φ", "key": "k·a^K_φ", "bias": "b_φ"}
         saturates = not plan.length_dependent
+        in_tile = plan.relations == "in_tile"
+        by_row = plan.projections == "by_row"
         return cls(
             reads_zq=plan.has_query,
             reads_zk=plan.has_key,
@@ -66,9 +68,9 @@ class GenerationFlags:
             dz_query=plan.has_query or bias_from == "query",
             dz_key=plan.has_key,
             saturates=saturates,
-            in_tile=plan.relations == "in_tile",
-            by_row=plan.projections == "by_row",
-            fused_zq=plan.has_query and saturates and plan.relations != "in_tile" and plan.projections != "by_row",
+            in_tile=in_tile,
+            by_row=by_row,
+            fused_zq=plan.has_query and saturates and not in_tile and not by_row,
             inner_runs=plan.has_query or plan.has_key,
             end_terms=" + ".join(
                 part

@@ -150,8 +150,7 @@ def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: in
     from relgen import tuning  # lookup tables (relgen tune writes them)
 
     family = tuning.plan_family(plan)
-    in_tile = plan.relations == "in_tile"
-    return _selected(plan.terms, family, in_tile, dtype, head_dim, tuning.bucket(seq_len), interpreting())
+    return _selected(plan.terms, family, tuning.in_tile(plan), dtype, head_dim, tuning.bucket(seq_len), interpreting())
 
 
 @functools.lru_cache(maxsize=256)

@@ -30,13 +30,17 @@ def _table(capability: str) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def in_tile(plan: Any) -> bool:
+    """Whether a plan's (PlanInfo or Plan) band tiles form their relation products in-tile from Ã (ablation
+    no_projections) instead of reading stored projections Z̃."""
+    return plan.relations == "in_tile"
+
+
 def plan_family(plan: Any) -> str:
     """The kernel family of a plan (PlanInfo or Plan): its terms, whether its map saturates, and whether its band
     tiles form their relation products in-tile (ablation no_projections: other register needs, no tuned entries)."""
     return (
-        "+".join(plan.terms)
-        + ("@unsaturated" if plan.length_dependent else "")
-        + ("@in_tile" if plan.relations == "in_tile" else "")
+        "+".join(plan.terms) + ("@unsaturated" if plan.length_dependent else "") + ("@in_tile" if in_tile(plan) else "")
     )
 
 
