@@ -2031,10 +2031,9 @@ def _projections(q, k, expanded, geo, cfg, for_forward=False):
     """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have.
     for_forward: Z̃^Q's buffers only, which the forward kernel fills (gen.fused_zq)."""
     zq = zk = zqe = zke = None
-    if for_forward:
-        zq, zqe = _projection_buffers(geo, True, q.device)
-    else:
-        zq, zqe = _project(q, expanded.aq, None, geo, cfg, True)
+    zq, zqe = (
+        _projection_buffers(geo, True, q.device) if for_forward else _project(q, expanded.aq, None, geo, cfg, True)
+    )
     return zq, zk, zqe, zke
 
 
