@@ -262,6 +262,17 @@ def _band_load(ptrs, ok, EDGE: tl.constexpr):
 
 
 @triton.jit
+def _clamped_run(rows, first, u, W, KEY_MAJOR: tl.constexpr):
+    """An edge band tile's entries of the query projection (or of b̃) without a mask: query i (row pointer rows_i)
+    reads its window's columns first_i + u along the tile's keys, each clamped into [0, W). For every pair that
+    exists that is the clip inside s(δ), since a window holds an end column whenever one of its pairs saturates
+    (ALGORITHM.md, reachable windows): saturated pairs read their end entries and need no end term. Queries past
+    the sequence's end must come with rows clamped to its last token, so that they too stay inside a row."""
+    cols = tl.minimum(tl.maximum(_along_queries(first, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), 0), W - 1)
+    return tl.load(_along_queries(rows, KEY_MAJOR) + cols)
+
+
+@triton.jit
 def _band_store(ptrs, x, ok, EDGE: tl.constexpr):
     """A band tile's dZ̃ entries (see _band_load)."""
     if EDGE:
@@ -303,6 +314,8 @@ def _score_tile(
     DOFF,
     LOW,
     HIGH,
+    C,
+    WQ,
     ZSQ,
     ZSK,
     qk_scale,
@@ -313,11 +326,13 @@ def _score_tile(
     HAS_KPM: tl.constexpr,
     PREC: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
     row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends).
-    The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR."""
+    The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. CLIP: an edge tile reads its entries at
+    the clipped columns (_clamped_run), which only the forward does (GenerationFlags.clip_band says where)."""
     if KEY_MAJOR:
         qk = tl.dot(k, tl.trans(q), input_precision=PREC)
     else:
@@ -327,13 +342,18 @@ def _score_tile(
     if (MODE == BAND) or (MODE == INNER):
         # the relation terms are summed apart and added to the accumulator once: one layout conversion per tile
         # (each gather is loaded in the layout of its contiguous direction). An INNER tile uses no mask below
-        # (the compiler drops the unused ones) and no end column.
+        # (the compiler drops the unused ones) and no end column; nor does an edge tile that clamps (_clamped_run).
         EDGE: tl.constexpr = MODE == BAND
+        CLAMP: tl.constexpr = CLIP and (MODE == BAND)
         delta, u = _band_offsets(offs_m, j_hi, DOFF, BLOCK_N, KEY_MAJOR)
         pair_ok = _along_queries(row_ok, KEY_MAJOR) & _along_keys(col_ok, KEY_MAJOR)
-        # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0)
-        run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-        rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
+        # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0) from key j_hi on
+        if CLAMP:
+            rows = zq_bh + tl.minimum(offs_m, Nq - 1) * ZSQ
+            rel = _clamped_run(rows, offs_m + (DOFF - j_hi - LOW - s0), u, WQ, KEY_MAJOR).to(tl.float32)
+        else:
+            run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
+            rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
         qk += rel
         shift = 0.0
     elif MODE == SAT_HIGH:
@@ -575,6 +595,8 @@ def _fwd_range(
             DOFF,
             LOW,
             HIGH,
+            C,
+            WQ,
             ZSQ,
             ZSK,
             qk_scale,
@@ -584,6 +606,7 @@ def _fwd_range(
             CAUSAL,
             HAS_KPM,
             PREC,
+            False,
             False,
         )
         m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale + c)
@@ -992,6 +1015,8 @@ def _bwd_q_range(
             DOFF,
             LOW,
             HIGH,
+            C,
+            WQ,
             ZSQ,
             ZSK,
             qk_scale,
@@ -1001,6 +1026,7 @@ def _bwd_q_range(
             CAUSAL,
             HAS_KPM,
             PREC,
+            False,
             False,
         )
         p, p_kept = _probabilities(
@@ -1417,6 +1443,8 @@ def _bwd_kv_range(
             DOFF,
             LOW,
             HIGH,
+            C,
+            WQ,
             ZSQ,
             ZSK,
             qk_scale,
@@ -1427,6 +1455,7 @@ def _bwd_kv_range(
             HAS_KPM,
             PREC,
             KEY_MAJOR,
+            False,
         )
         p, p_kept = _probabilities(
             x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, KEY_MAJOR

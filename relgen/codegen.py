@@ -37,6 +37,12 @@ class GenerationFlags:
     # score gathers a projection; a bias-only band reads one cached b̃ value per score, and on the H200 the split's
     # extra loops cost T5 3-12% in the backward (benchmarks/results/h200/NOTES.md, sixth session)
     inner_runs: bool
+    # the forward's edge band tiles read their entries at the clipped column s(δ), which needs no pair mask and no
+    # end term, where every term is a query-side run: a clamped run hides its contiguity from the compiler, which
+    # the key side's runs along the queries need, and the backward computes the pair masks for its dZ̃ anyway
+    # (H200, fp16, forward: Shaw −1 to −3 %, T5 −2 to −4 %; DeBERTa +2 % and TXL +1 % at 8K; every backward
+    # but T5's slower: benchmarks/results/h200/NOTES.md, thirteenth session)
+    clip_band: bool
     end_terms: str  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     end_shift: str  # their per-query part: query and b̃ (kernel `_end_shift`; "0.0" when there is none)
     bias_from: str | None  # which dZ̃ yields db
@@ -72,6 +78,7 @@ class GenerationFlags:
             by_row=by_row,
             fused_zq=plan.has_query and saturates and not in_tile and not by_row,
             inner_runs=plan.has_query or plan.has_key,
+            clip_band=saturates and not plan.has_key and not in_tile and not by_row,
             end_terms=" + ".join(
                 part
                 for part, present in (
