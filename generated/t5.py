@@ -249,13 +249,14 @@ def _band_load(ptrs, ok, EDGE: tl.constexpr):
 
 @triton.jit
 def _clamped_run(rows, first, u, W, KEY_MAJOR: tl.constexpr):
-    """An edge band tile's entries of the query projection (or of b̃) without a mask: query i (row pointer rows_i)
-    reads its window's columns first_i + u along the tile's keys, each clamped into [0, W). For every pair that
-    exists that is the clip inside s(δ), since a window holds an end column whenever one of its pairs saturates
-    (ALGORITHM.md, reachable windows): saturated pairs read their end entries and need no end term. Queries past
-    the sequence's end must come with rows clamped to its last token, so that they too stay inside a row."""
+    """An edge band tile's entries of the query projection (or of b̃) without a mask: query i (row pointer rows_i,
+    spread over the tile, or one pointer for all) reads its window's columns first_i + u along the tile's keys,
+    each clamped into [0, W). For every pair that exists that is the clip inside s(δ), since a window holds an end
+    column whenever one of its pairs saturates (ALGORITHM.md, reachable windows): saturated pairs read their end
+    entries and need no end term. Queries past the sequence's end must come with rows clamped to its last token,
+    so that they too stay inside a row."""
     cols = tl.minimum(tl.maximum(_along_queries(first, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), 0), W - 1)
-    return tl.load(_along_queries(rows, KEY_MAJOR) + cols)
+    return tl.load(rows + cols)
 
 
 @triton.jit
