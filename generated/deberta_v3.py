@@ -460,7 +460,7 @@ def _score_tile(
         run = zk_bh + offs_n * (ZSK - 1) + (DOFF - LOW - t0)  # key j's entry for query 0
         zk = _band_load(_along_keys(run, KEY_MAJOR) + _along_queries(offs_m, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
         rel = rel + zk
-        if EDGE and not CLIP:
+        if EDGE and not CLAMP:
             rel += tl.where(
                 above,
                 _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR),

@@ -343,7 +343,7 @@ def _score_tile(
         else:
             run = bias_h + (offs_m + DOFF - j_hi - LOW)
             rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE)
-        if EDGE and not CLIP:
+        if EDGE and not CLAMP:
             rel += tl.where(
                 above,
                 _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR),

@@ -369,7 +369,7 @@ def _score_tile(
         else:
             run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
             rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
-        if EDGE and not CLIP:
+        if EDGE and not CLAMP:
             rel += tl.where(
                 above,
                 _end_terms(row_hi, col_hi, b_hi, KEY_MAJOR),

@@ -68,6 +68,7 @@ class GenerationFlags:
         saturates = not plan.length_dependent
         in_tile = plan.relations == "in_tile"
         by_row = plan.projections == "by_row"
+        by_offset = not in_tile and not by_row  # band tiles read stored projections at their offset's column
         return cls(
             reads_zq=plan.has_query,
             reads_zk=plan.has_key,
@@ -77,9 +78,9 @@ class GenerationFlags:
             saturates=saturates,
             in_tile=in_tile,
             by_row=by_row,
-            fused_zq=plan.has_query and saturates and not in_tile and not by_row,
+            fused_zq=plan.has_query and saturates and by_offset,
             inner_runs=plan.has_query or plan.has_key,
-            clip_band=saturates and not plan.has_key and not in_tile and not by_row,
+            clip_band=saturates and not plan.has_key and by_offset,
             end_terms=" + ".join(
                 part
                 for part, present in (
