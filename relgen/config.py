@@ -82,12 +82,15 @@ class KernelConfig:
 
 
 #: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups
-#: (the two backward passes differ too, so neither may assume the other's tiles).
+#: (the two backward passes differ too, so neither may assume the other's tiles). The projection's token tile is
+#: the forward's query tile: both multiply [32, d] tiles by the table, so that their Z̃^Q agree bitwise here as they
+#: do on a GPU (the interpreter's products go through numpy's BLAS, whose rounding can depend on the matrix shape:
+#: with 16-token projection tiles an AMD EPYC's OpenBLAS wrote entries one fp32 unit apart).
 INTERPRETER_CONFIG = KernelConfig(
     group=32,
     forward=AttnTiles(32, 16),
     backward=AttnTiles(16, 32),
-    project=ProjectTiles(16, 32),
+    project=ProjectTiles(32, 32),
     reduce=ReduceTiles(16, 32, 16),
     backward_kv=AttnTiles(32, 16, key_major=True),
 )
