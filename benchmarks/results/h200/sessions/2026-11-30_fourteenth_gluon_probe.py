@@ -9,9 +9,11 @@ accumulator, and exp2(S) summed (a stand-in for the softmax, so that nothing is 
 with Triton's bundled ptxas (no GPU needed), once with the gather and once with rel = 0; SASS per loop counted by
 `2026-11-30_thirteenth_sass_loops.py` (cuobjdump -sass K.cubin > K.sass first).
 
-    python 2026-11-30_fourteenth_gluon_probe.py OUT_DIR
+    python 2026-11-30_fourteenth_gluon_probe.py OUT_DIR     compile for sm_90 (no GPU needed)
+    python 2026-11-30_fourteenth_gluon_probe.py --time      on a GPU: time the four loops
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -34,6 +36,10 @@ def band_probe(Q, K, Z, OUT, ZS, first0, W, n_tiles, BM: gl.constexpr, BN: gl.co
     k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     offs_qm = gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+    pid = gl.program_id(0)
+    Q += pid * BM * D
+    Z += pid * BM * ZS
+    OUT += pid * BM * BN
     q_smem = gl.allocate_shared_memory(gl.float16, [BM, D], q_sl, gl.load(Q + offs_qm[:, None] * D + offs_d[None, :]))
     k_smem = gl.allocate_shared_memory(gl.float16, [BN, D], k_sl)
     offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
@@ -62,6 +68,10 @@ def band_probe_triton(Q, K, Z, OUT, ZS, first0, W, n_tiles, BM: tl.constexpr, BN
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
+    pid = tl.program_id(0)
+    Q += pid * BM * D
+    Z += pid * BM * ZS
+    OUT += pid * BM * BN
     q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])
     acc = tl.zeros([BM, BN], tl.float32)
     for t in range(n_tiles):
@@ -75,7 +85,37 @@ def band_probe_triton(Q, K, Z, OUT, ZS, first0, W, n_tiles, BM: tl.constexpr, BN
     tl.store(OUT + offs_m[:, None] * BN + offs_n[None, :], acc)
 
 
+def time_on_gpu(programs: int = 1536, tiles: int = 10) -> None:
+    """On a GPU: each variant over `programs` blocks of 128 queries and `tiles` key tiles (Shaw's 8K forward has
+    1536 programs and 10 band tiles each), its ms by do_bench, and Gluon's sums against Triton's."""
+    import torch
+    from triton.testing import do_bench
+
+    BM, BN, D, ZS, W = 128, 64, 64, 520, 513
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(programs * BM, D, device="cuda", generator=gen).half()
+    k = torch.randn(tiles * BN, D, device="cuda", generator=gen).half()
+    z = torch.randn(programs * BM, ZS, device="cuda", generator=gen).half()
+    first0 = 256 + BN * (tiles // 2)  # the clamp reaches both ends of the window over the tiles
+    sums = {}
+    for gather in (True, False):
+        for name, kernel in (("gluon", band_probe), ("triton", band_probe_triton)):
+            out = torch.empty(programs * BM, BN, device="cuda")
+
+            def run(kernel=kernel, out=out, gather=gather):
+                kernel[(programs,)](q, k, z, out, ZS, first0, W, tiles, BM, BN, D, gather, num_warps=4)
+
+            run()
+            sums[name, gather] = out.clone()
+            print(json.dumps({"probe": name, "gather": gather, "ms": do_bench(run, warmup=50, rep=300)}))
+    same = torch.allclose(sums["gluon", True], sums["triton", True], rtol=1e-5, atol=1e-3)
+    print(json.dumps({"gluon_matches_triton": same}))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--time"]:
+        time_on_gpu()
+        return
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     signature = {"Q": "*fp16", "K": "*fp16", "Z": "*fp16", "OUT": "*fp32", "ZS": "i32", "first0": "i32", "W": "i32",
