@@ -16,7 +16,7 @@ import numpy as np
 import sympy
 
 from relgen.maps import ExpressionMap, IdentityMap
-from relgen.spec import MechanismSpec, SpecError, load_spec
+from relgen.spec import HasTerms, MechanismSpec, SpecError, load_spec
 
 #: Query/key group size G: the largest tile, so every tile reads one group's window.
 GROUP_SIZE = 128
@@ -47,7 +47,7 @@ class RowSpan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(HasTerms):
     """Everything code generation and dispatch need to know about one mechanism at one sequence length."""
 
     spec_name: str
@@ -92,18 +92,6 @@ class Plan:
     def copy_is_identity(self) -> bool:
         """True when β(s) = s: the expanded table is the table itself (identity and clipped maps)."""
         return self.copy_map == tuple(range(len(self.copy_map))) and self.rows == len(self.copy_map)
-
-    @property
-    def has_query(self) -> bool:
-        return "query" in self.terms
-
-    @property
-    def has_key(self) -> bool:
-        return "key" in self.terms
-
-    @property
-    def has_bias(self) -> bool:
-        return "bias" in self.terms
 
     @property
     def bias_folded_into(self) -> Literal["query", "key", None]:

@@ -33,7 +33,24 @@ class SpecError(ValueError):
     """A spec that cannot be loaded; the message names the field and, for YAML, the line."""
 
 
-class MechanismSpec(BaseModel):
+class HasTerms:
+    """Which relation terms an object with a `terms` tuple holds: the spec, and the plan made from it. (The mixin
+    declares no field itself, so that neither the model's nor the dataclass's field order changes.)"""
+
+    @property
+    def has_query(self) -> bool:
+        return "query" in self.terms  # type: ignore[attr-defined]
+
+    @property
+    def has_key(self) -> bool:
+        return "key" in self.terms  # type: ignore[attr-defined]
+
+    @property
+    def has_bias(self) -> bool:
+        return "bias" in self.terms  # type: ignore[attr-defined]
+
+
+class MechanismSpec(HasTerms, BaseModel):
     """One relative-position mechanism: S_ij = τ(q_i·k_j + q_i·a^Q_φ + k_j·a^K_φ + b_φ) + M_ij."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,18 +96,6 @@ class MechanismSpec(BaseModel):
         if not value.is_real or not value.is_positive:
             raise ValueError(f"scale must be a positive number for d > 0, got {scale!r} = {value} at d=64")
         return scale
-
-    @property
-    def has_query(self) -> bool:
-        return "query" in self.terms
-
-    @property
-    def has_key(self) -> bool:
-        return "key" in self.terms
-
-    @property
-    def has_bias(self) -> bool:
-        return "bias" in self.terms
 
     def scale_value(self, head_dim: int) -> float:
         """τ for head dimension d."""
