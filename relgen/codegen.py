@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from relgen import __version__
+from relgen import __version__, tuning
 from relgen.analyze import Plan, analyze
 from relgen.spec import load_spec
 
@@ -66,7 +66,7 @@ class GenerationFlags:
         bias_from = {"folded_query": "query", "vector": "query", "folded_key": "key"}.get(bias_mode)
         terms = {"query": "q·a^Q_φ", "key": "k·a^K_φ", "bias": "b_φ"}
         saturates = not plan.length_dependent
-        in_tile = plan.relations == "in_tile"
+        in_tile = tuning.in_tile(plan)
         by_row = plan.projections == "by_row"
         by_offset = not in_tile and not by_row  # band tiles read stored projections at their offset's column
         return cls(
