@@ -16,6 +16,13 @@
 #                                                                FLEX_MODE=default the compiled peers' mode;
 #                                                                WARM_THREADS inductor's compile workers per
 #                                                                compile-only process; MEASURE_TIMEOUT_S)
+#   bash benchmarks/h200_session.sh compile OUT SECONDS [N,...]  compile only, for the bench of the next call on
+#                                                                the same machine (the caches live in /tmp; the
+#                                                                machine stays only while calls follow within its
+#                                                                idle release): one process per (mechanism, N,
+#                                                                compiled system) and one for the rest of each
+#                                                                (mechanism, N), COMPILE_JOBS at a time (12),
+#                                                                lengths in the order given, stopped after SECONDS
 #   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
 #                                                                next to full relgen (default N = 8192; MECHS as
 #                                                                for bench)
@@ -26,7 +33,7 @@
 # the report here with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
 # (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
-phase=${1:?phase: verify, tune, bench or ablation}
+phase=${1:?phase: verify, tune, bench, compile or ablation}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 RELGEN_GPU_REPORT="$out/gpu_figures.jsonl"
@@ -104,6 +111,35 @@ elif [ "$phase" = bench ]; then
     echo "bench exit $?" >> "$out/bench.log"
     cp "$work/attention.json" "$out/attention.json"
     tail -40 "$out/bench.log"
+elif [ "$phase" = compile ]; then
+    budget=${3:?seconds}
+    lengths=${4:-512,2048,8192}
+    systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
+    compiled='flex|flex_decomp|compiled'
+    shares=$(echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' ')
+    rest=$(echo "$systems" | tr ',' '\n' | grep -vxE "$compiled" | paste -sd, -)
+    deadline=$((SECONDS + budget))
+    : > "$out/compile.log"
+    for n in ${lengths//,/ }; do
+        for s in "${specs[@]}"; do
+            for share in $shares $rest; do
+                while [ "$(jobs -rp | wc -l)" -ge "${COMPILE_JOBS:-12}" ]; do wait -n; done
+                left=$((deadline - SECONDS))
+                [ "$left" -gt 20 ] || break 3
+                (d="/tmp/compile_${s}_${n}_${share//,/+}"
+                 began=$SECONDS
+                 # timings thrown away (one run, unchecked); what stays is on disk
+                 TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-2} nice -n 10 timeout "$left" \
+                     python3 -m relgen.bench --out "$d" --mechanisms "$s" --systems "$share" --seq-lens "$n" \
+                     --flex-mode "${FLEX_MODE:-max-autotune}" --process-per group --no-check --min-reps 1 \
+                     --warmup-ms 1 --rep-ms 1 --timeout "$left" > "$d.log" 2>&1
+                 echo "$s $n $share: exit $? after $((SECONDS - began)) s; $(grep -c '^\[' "$d.log") of" \
+                      "$(grep -o '[0-9]* measurements' "$d.log" | head -1)" >> "$out/compile.log") &
+            done
+        done
+    done
+    wait
+    cat "$out/compile.log"
 elif [ "$phase" = ablation ]; then
     budget=${3:?seconds}
     timeout $((budget + 30)) python3 -m relgen.bench --ablation --out "$out" --seq-lens "${4:-8192}" \
