@@ -201,6 +201,15 @@ def _target_row(mechanism: str, index: dict[tuple, dict[str, Any]]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def fmt_apart(a: float, b: float) -> tuple[str, str]:
+    """a and b to three significant digits, or to as many more (up to six) as it takes to print them apart."""
+    for digits in range(3, 7):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y:
+            break
+    return x, y
+
+
 def _fastest_line(mechanism: str, index: dict[tuple, dict[str, Any]]) -> str:
     behind, unjudged = [], []
     for pass_ in PASSES:
@@ -212,7 +221,11 @@ def _fastest_line(mechanism: str, index: dict[tuple, dict[str, Any]]) -> str:
             peers = [(r["ms"], s) for s, r in _peers(index, pass_, n).items() if r.get("exact") is True]
             if peers and min(peers)[0] < ours["ms"]:
                 ms, peer = min(peers)
-                behind.append(f"{pass_} {fmt_n(n)} ({system_label(peer)} {ms:.3g} ms vs {ours['ms']:.3g} ms)")
+                theirs, mine = fmt_apart(ms, ours["ms"])
+                behind.append(
+                    f"{pass_} {fmt_n(n)} ({system_label(peer)} {theirs} ms vs {mine} ms, relgen "
+                    f"{100 * (ours['ms'] / ms - 1):.2g} % slower)"
+                )
     notes = [*(f"behind at {b}" for b in behind), *(f"relgen not exact or not measured at {u}" for u in unjudged)]
     return f"- {mechanism}: {_mark(not notes)}" + (" — " + "; ".join(notes) if notes else "")
 
