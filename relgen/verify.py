@@ -56,9 +56,12 @@ class Inputs:
         return {"q": self.q, "k": self.k, "v": self.v, **self.tables}
 
 
-def make_inputs(spec, b=1, h=2, nq=17, nk=None, d=16, dtype=torch.float32, device="cpu", seed=0, length=None) -> Inputs:
+def make_inputs(
+    spec, b=1, h=2, nq=17, nk=None, d=16, dtype=torch.float32, device="cpu", seed=0, length=None,
+    bias_dtype=torch.float32,
+) -> Inputs:
     """Random inputs (leaves that require grad): q [b, h, nq, d], k, v [b, h, nk, d] and the spec's tables
-    (aq, ak scaled by 0.5, bias fp32), sized for the identity map's L = `length` (default max(nq, nk))."""
+    (aq, ak scaled by 0.5; bias in `bias_dtype`), sized for the identity map's L = `length` (default max(nq, nk))."""
     spec = load_spec(spec)
     nk = nq if nk is None else nk
     rows = spec.map.num_rows(length or max(nq, nk))
@@ -75,7 +78,7 @@ def make_inputs(spec, b=1, h=2, nq=17, nk=None, d=16, dtype=torch.float32, devic
     if spec.has_key:
         tables["ak"] = rand(*shape, scale=0.5)
     if spec.has_bias:
-        tables["bias"] = rand(*shape[:-1]).detach().float().requires_grad_()
+        tables["bias"] = rand(*shape[:-1]).detach().to(bias_dtype).requires_grad_()
     return Inputs(rand(b, h, nq, d), rand(b, h, nk, d), rand(b, h, nk, d), tables)
 
 
