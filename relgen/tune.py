@@ -51,13 +51,16 @@ GROUP = 128
 #: Candidate tiles. Forward / backward: (block_m, block_n, num_warps, num_stages).
 #: 64x64 with 8 warps and 64x32: no spills by ptxas for query+key band tiles, where 64x64 with 4 warps spills.
 #: 128x64 with 4 warps and 4 stages: the fastest plain attention of the forward's design on the H200
-#: (benchmarks/plain_ceiling.py, NOTES.md ninth session).
+#: (benchmarks/plain_ceiling.py, NOTES.md ninth session). 64x128: fewer, wider key tiles for short lengths, where
+#: band tiles are most of the work (sm_90 at 512: T5 230 registers, no spills, 106 KB shared; Shaw, TXL and
+#: DeBERTa spill 0.2-2 KB with it).
 FORWARD_TILES = (
     (128, 64, 8, 3),
     (128, 64, 4, 3),
     (128, 64, 4, 4),
     (128, 32, 4, 2),
     (64, 64, 4, 3),
+    (64, 128, 4, 3),
     (128, 128, 8, 2),
     (64, 64, 8, 3),
     (64, 32, 4, 3),
