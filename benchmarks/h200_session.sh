@@ -42,6 +42,28 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 # the device's copy of .git can be stale: fingerprint the sources that ran instead (files in C-locale order: the
 # device's locale sorts "__init__.py" elsewhere, which changed the fingerprint of the same files)
 echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
+# torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for 30-90 s per
+# graph, so compile first (WARM_S, or the compile phase); FLEX_MODE=default is the faster, non-protocol choice of
+# the earlier sessions
+flex_mode=${FLEX_MODE:-max-autotune}
+systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
+
+# The compile-only processes: one per (mechanism, N, compiled system), and one for the rest of a (mechanism, N).
+# A max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind each other
+# (seventh session).
+compile_shares() {  # the systems torch.compile builds (SYSTEMS[...]["compiled"]) one by one, then the rest
+    local compiled='flex|flex_decomp|compiled'
+    echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' '
+    echo "$systems" | tr ',' '\n' | grep -vxE "$compiled" | paste -sd, -
+}
+compile_only() {  # DIR MECHANISM N SHARE SECONDS THREADS [relgen bench options]: timings thrown away (one
+    # unchecked run); what stays is on disk. Its log: DIR.log
+    local d=$1 limit=$5 threads=$6
+    TORCHINDUCTOR_COMPILE_THREADS=$threads nice -n 10 timeout "$limit" \
+        python3 -m relgen.bench --out "$d" --mechanisms "$2" --systems "$4" --seq-lens "$3" \
+        --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 --rep-ms 1 \
+        --timeout "$limit" "${@:7}" > "$d.log" 2>&1
+}
 
 if [ "$phase" = verify ]; then
     # -v: each test's outcome is logged as it finishes, so a run cut by the timeout still names its failures
@@ -71,28 +93,16 @@ elif [ "$phase" = bench ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}
     warm=${WARM_S:-0}  # seconds of parallel compile-only runs first (torch.compile and Triton disk caches)
-    # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for 30-90 s
-    # per graph, so give it WARM_S; FLEX_MODE=default is the faster, non-protocol choice of the earlier sessions
-    flex_mode=${FLEX_MODE:-max-autotune}
     work=$(mktemp -d /tmp/relgen-bench-XXXX)  # report and plots stay on the device machine
-    systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
     if [ "$warm" -gt 0 ]; then
-        # one compile-only process per (mechanism, N, compiled system), and one for the rest of a (mechanism, N):
-        # a max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind
-        # each other (seventh session); only what the state lacks is compiled (--resume)
-        compiled='flex|flex_decomp|compiled'  # the systems torch.compile builds (SYSTEMS[...]["compiled"])
-        shares=$(echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' ')
-        rest=$(echo "$systems" | tr ',' '\n' | grep -vxE "$compiled" | paste -sd, -)
+        # all at once; only what the state lacks is compiled (--resume)
         for s in "${specs[@]}"; do
             for n in ${lengths//,/ }; do
-                for share in $shares $rest; do
+                for share in $(compile_shares); do
                     d="/tmp/warm_bench_${s}_${n}_${share//,/+}"
                     mkdir -p "$d"
                     [ -f .bench_state/attention.json ] && cp .bench_state/attention.json "$d/"
-                    TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-4} nice -n 10 timeout "$warm" \
-                        python3 -m relgen.bench --out "$d" --mechanisms "$s" --systems "$share" --seq-lens "$n" \
-                        --flex-mode "$flex_mode" --process-per group --no-check --min-reps 1 --warmup-ms 1 \
-                        --rep-ms 1 --timeout "$warm" --resume > "$d.log" 2>&1 &
+                    compile_only "$d" "$s" "$n" "$share" "$warm" "${WARM_THREADS:-4}" --resume &
                 done
             done
         done
@@ -114,25 +124,17 @@ elif [ "$phase" = bench ]; then
 elif [ "$phase" = compile ]; then
     budget=${3:?seconds}
     lengths=${4:-512,2048,8192}
-    systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
-    compiled='flex|flex_decomp|compiled'
-    shares=$(echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' ')
-    rest=$(echo "$systems" | tr ',' '\n' | grep -vxE "$compiled" | paste -sd, -)
     deadline=$((SECONDS + budget))
     : > "$out/compile.log"
     for n in ${lengths//,/ }; do
         for s in "${specs[@]}"; do
-            for share in $shares $rest; do
+            for share in $(compile_shares); do
                 while [ "$(jobs -rp | wc -l)" -ge "${COMPILE_JOBS:-12}" ]; do wait -n; done
                 left=$((deadline - SECONDS))
                 [ "$left" -gt 20 ] || break 3
                 (d="/tmp/compile_${s}_${n}_${share//,/+}"
                  began=$SECONDS
-                 # timings thrown away (one run, unchecked); what stays is on disk
-                 TORCHINDUCTOR_COMPILE_THREADS=${WARM_THREADS:-2} nice -n 10 timeout "$left" \
-                     python3 -m relgen.bench --out "$d" --mechanisms "$s" --systems "$share" --seq-lens "$n" \
-                     --flex-mode "${FLEX_MODE:-max-autotune}" --process-per group --no-check --min-reps 1 \
-                     --warmup-ms 1 --rep-ms 1 --timeout "$left" > "$d.log" 2>&1
+                 compile_only "$d" "$s" "$n" "$share" "$left" "${WARM_THREADS:-2}"
                  echo "$s $n $share: exit $? after $((SECONDS - began)) s; $(grep -c '^\[' "$d.log") of" \
                       "$(grep -o '[0-9]* measurements' "$d.log" | head -1)" >> "$out/compile.log") &
             done
