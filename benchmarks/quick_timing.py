@@ -30,10 +30,9 @@ def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dt
     spec = relgen.load_spec(spec_path(name))
     b = max(1, tokens // n)
     rows = spec.map.num_rows(n)
-    made = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=dtype, device="cuda")
-    q, k, v = made.q, made.k, made.v
-    # every table in the inputs' dtype, as the benchmark's (make_inputs gives an fp32 bias)
-    tables = {key: t.detach().to(dtype).requires_grad_() for key, t in made.tables.items()}
+    # every table in the inputs' dtype, as the benchmark's
+    made = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=dtype, device="cuda", bias_dtype=dtype)
+    q, k, v, tables = made.q, made.k, made.v, made.tables
     fn = relgen.compile_mechanism(spec)
     t = time.time()
     out = fn(q, k, v, **tables)
