@@ -6,7 +6,8 @@ benchmark does, and several times (the host's cost per call varies between proce
     python benchmarks/host_path.py --spec t5 --seq-len 512 [--triton-launch] [--no-descriptors] [--profile]
 
 Prints one JSON line: host_us_fwd / host_us_bwd (wall time per call over 200 calls issued without a sync, the
-GPU kept ahead), gpu_ms_fwd / gpu_ms_bwd (the kernels' CUDA time, torch.profiler), bench_ms_fwd / bench_ms_bwd
+GPU kept ahead), gpu_ms_fwd / gpu_ms_bwd (the kernels' CUDA time, torch.profiler; kernels_fwd / kernels_bwd per
+kernel), bench_ms_fwd / bench_ms_bwd
 (triton.testing.do_bench median), the CPU the process ran on and the load average.
 """
 
@@ -59,7 +60,8 @@ def main() -> None:
 
     spec = relgen.load_spec(ROOT / "specs" / f"{args.spec}.yaml")
     n = args.seq_len
-    made = make_inputs(spec, b=max(1, TOKENS // n), h=HEADS, nq=n, d=HEAD_DIM, dtype=torch.float16, device="cuda")
+    b, half = max(1, TOKENS // n), torch.float16
+    made = make_inputs(spec, b=b, h=HEADS, nq=n, d=HEAD_DIM, dtype=half, device="cuda", bias_dtype=half)
     fn = relgen.compile_mechanism(spec)
     leaves = [made.q, made.k, made.v, *made.tables.values()]
     for t in leaves:
@@ -77,6 +79,7 @@ def main() -> None:
     for _ in range(20):
         forward()
         backward()
+    kernels_fwd, kernels_bwd = kernel_times(forward, iters=10), kernel_times(backward, iters=10)
     record = {
         "spec": args.spec,
         "seq_len": n,
@@ -84,8 +87,10 @@ def main() -> None:
         "descriptors": not args.no_descriptors,
         "host_us_fwd": host_us(forward),
         "host_us_bwd": host_us(backward),
-        "gpu_ms_fwd": sum(kernel_times(forward, iters=10).values()),
-        "gpu_ms_bwd": sum(kernel_times(backward, iters=10).values()),
+        "gpu_ms_fwd": sum(kernels_fwd.values()),
+        "gpu_ms_bwd": sum(kernels_bwd.values()),
+        "kernels_fwd": {name: round(ms, 5) for name, ms in kernels_fwd.items()},
+        "kernels_bwd": {name: round(ms, 5) for name, ms in kernels_bwd.items()},
         "bench_ms_fwd": triton.testing.do_bench(forward, warmup=50, rep=100, return_mode="median"),
         "bench_ms_bwd": triton.testing.do_bench(backward, warmup=50, rep=100, return_mode="median"),
         "cpu": int(Path("/proc/self/stat").read_text().split()[38]),

@@ -30,7 +30,9 @@ BACKWARD_SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2
 def inputs(name: str, n: int, batch: int | None = None, heads: int = HEADS):
     spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
     b = batch or max(1, TOKENS // n)
-    made = make_inputs(spec, b=b, h=heads, nq=n, d=HEAD_DIM, dtype=torch.float16, device="cuda")
+    made = make_inputs(
+        spec, b=b, h=heads, nq=n, d=HEAD_DIM, dtype=torch.float16, device="cuda", bias_dtype=torch.float16
+    )
     return relgen.compile_mechanism(spec), (made.q, made.k, made.v), made.tables
 
 

@@ -372,6 +372,7 @@ class Tuner:
             dtype=self.dtype,
             device=self.device,
             seed=seq_len,
+            bias_dtype=self.dtype,  # every table in the inputs' dtype, as users and the benchmark pass them
         )
         gen = torch.Generator(device="cpu").manual_seed(1)
         d_out = torch.randn(inputs.q.shape, generator=gen).to(device=self.device, dtype=self.dtype)
@@ -580,7 +581,9 @@ def cli_warmup(args: argparse.Namespace) -> int:
         for n in lengths:
             source = "tuned" if tuning.lookup(family, dtype, head_dim, n) is not None else "heuristic"
             try:
-                inputs = make_inputs(spec, b=1, h=HEADS, nq=n, d=head_dim, dtype=dtype, device="cuda", seed=0)
+                inputs = make_inputs(
+                    spec, b=1, h=HEADS, nq=n, d=head_dim, dtype=dtype, device="cuda", seed=0, bias_dtype=dtype
+                )
                 t1 = time.perf_counter()
                 for tma in (True, False):  # saturated key tiles through descriptors and through pointers
                     with descriptors.forced(tma):

@@ -57,7 +57,16 @@ class Inputs:
 
 
 def make_inputs(
-    spec, b=1, h=2, nq=17, nk=None, d=16, dtype=torch.float32, device="cpu", seed=0, length=None,
+    spec,
+    b=1,
+    h=2,
+    nq=17,
+    nk=None,
+    d=16,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    length=None,
     bias_dtype=torch.float32,
 ) -> Inputs:
     """Random inputs (leaves that require grad): q [b, h, nq, d], k, v [b, h, nk, d] and the spec's tables

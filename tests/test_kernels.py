@@ -53,8 +53,9 @@ def test_half_precision_bias_tables(name):
         spec = relgen.load_spec(data)
     else:
         spec = relgen.load_spec(spec_path(name))
-    inputs = make_inputs(spec, b=1, h=2, nq=70, nk=61, d=16, dtype=torch.float16, device=DEVICE, seed=5,
-                         bias_dtype=torch.float16)
+    inputs = make_inputs(
+        spec, b=1, h=2, nq=70, nk=61, d=16, dtype=torch.float16, device=DEVICE, seed=5, bias_dtype=torch.float16
+    )
     assert_all_close(compare(spec, inputs), name)
 
 
