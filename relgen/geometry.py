@@ -292,7 +292,8 @@ class Geometry:
         return first, count
 
     def expand(self, aq, ak, bias) -> Expanded:
-        """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b in fp32."""
+        """Ã = E·A (a gather of C table rows, done once per call) and b̃ = E·b, both in their table's dtype: copies,
+        so exact; the kernels add b̃ to fp32 scores, and a half-precision b̃ halves what its band gathers move."""
         some = next(t for t in (aq, ak, bias) if t is not None)
         index = None if self.plan.copies_are_rows else self.copy_map_tensor(some.device, torch.long)
 
@@ -310,7 +311,7 @@ class Geometry:
         return Expanded(
             aq=aq.contiguous() if by_row and aq is not None else aq_x,
             ak=ak.contiguous() if by_row and ak is not None else ak_x,
-            bias=b_x.float() if b_x is not None else None,
+            bias=b_x,
             aq_reduce=aq.contiguous() if atomic and aq is not None else aq_x,
             ak_reduce=ak.contiguous() if atomic and ak is not None else ak_x,
         )
