@@ -1,6 +1,7 @@
 # Sixteenth session's device calls (one nvidia-h200-x2 held across calls 1 and 2: call 2 is issued within the
 # machine's 30 s idle release of call 1, so the compile caches and call 1's decision in /tmp carry over).
-#   bash benchmarks/results/h200/sessions/2026-11-30_sixteenth_calls.sh call1|call2
+#   bash benchmarks/results/h200/sessions/2026-11-30_sixteenth_calls.sh call1|call2|call3|call4
+# (calls 3 and 4: a second held nvidia-h200-x2, tree ff10762 + the GPU test of the bias in the inputs' dtype)
 # every call starts with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # carry: .whl .bench_state (.bench_state/geometry_b.py = branch btilde2's relgen/geometry.py)
@@ -67,5 +68,27 @@ call2)  # every system at 8K for Shaw and TXL (GPU 0) and T5 (GPU 1), nothing re
     wait
     tail -4 /tmp/m0/bench.log /tmp/m1/bench.log
     tar czf "$OUT/call2.tgz" -C /tmp m0 m1 m0.out m1.out
+    ;;
+call3)  # GPU 0: the GPU suite; GPU 1: compile T5 at 512 and TXL at 8K, TXL at 8K side by side again (its
+    # FlexAttention + decomposition backward crashed in call 2), T5's forward at 512 taken apart (host_path)
+    mv .bench_state/attention.json /tmp/attention_committed.json 2>/dev/null
+    (CUDA_VISIBLE_DEVICES=0 VERIFY_S=515 taskset -c 0-19 bash benchmarks/h200_session.sh verify /tmp/v > /tmp/v.out 2>&1) &
+    (export CUDA_VISIBLE_DEVICES=1; taskset -pc 20-31 $BASHPID > /dev/null
+     (MECHS=t5 COMPILE_JOBS=4 bash benchmarks/h200_session.sh compile /tmp/c5 260 512 > /tmp/c5.out 2>&1) &
+     (MECHS=txl COMPILE_JOBS=4 bash benchmarks/h200_session.sh compile /tmp/c8 260 8192 > /tmp/c8.out 2>&1) &
+     wait
+     MECHS=txl bash benchmarks/h200_session.sh bench /tmp/x8 120 8192 > /tmp/x8.out 2>&1
+     for r in 1 2 3; do
+         timeout 60 python3 benchmarks/host_path.py --spec t5 --seq-len 512 2>/dev/null >> /tmp/host_path.jsonl
+     done) &
+    wait
+    tail -n 6 /tmp/v/gpu_tests.log; cat /tmp/c5/compile.log /tmp/c8/compile.log; tail -n 16 /tmp/x8/bench.log
+    tar czf "$OUT/call3.tgz" -C /tmp v c5 c8 x8 host_path.jsonl v.out c5.out c8.out x8.out
+    ;;
+call4)  # T5 at 512 side by side, every system, with nothing else running on the machine
+    mv .bench_state/attention.json /tmp/attention_committed.json 2>/dev/null
+    CUDA_VISIBLE_DEVICES=1 MECHS=t5 bash benchmarks/h200_session.sh bench /tmp/t512 150 512 > /tmp/t512.out 2>&1
+    tail -n 16 /tmp/t512/bench.log
+    tar czf "$OUT/call4.tgz" -C /tmp t512 t512.out
     ;;
 esac
