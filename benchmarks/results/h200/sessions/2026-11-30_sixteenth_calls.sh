@@ -92,3 +92,12 @@ call4)  # T5 at 512 side by side, every system, with nothing else running on the
     tar czf "$OUT/call4.tgz" -C /tmp t512 t512.out
     ;;
 esac
+
+# call 5 (a fresh nvidia-h200, tree 4b5306b: T5's bucket-512 entry from call 1's tune): exactness of the new entry
+# at N = 500 against the FP64 reference, then T5 at 512 side by side, then two repeats of relgen and FlexAttention
+# + decomposition (run as one command line; here for the record):
+#   mv .bench_state/attention.json /tmp/x.json
+#   timeout 70 python3 benchmarks/quick_timing.py --check --specs t5,t5_decoder --seq-lens 500 > $OUT/check.log 2>&1
+#   MECHS=t5 COMPILE_JOBS=4 bash benchmarks/h200_session.sh compile /tmp/c 110 512
+#   MECHS=t5 bash benchmarks/h200_session.sh bench /tmp/t 40 512
+#   for i in 1 2; do MECHS=t5 SYSTEMS=relgen,flex_decomp bash benchmarks/h200_session.sh bench /tmp/r$i 20 512; done
