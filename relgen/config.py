@@ -146,6 +146,11 @@ def default_config(
     )
 
 
+def overridden() -> bool:
+    """Whether an override_config is active (select_config then ignores the tables)."""
+    return bool(_override)
+
+
 def select_config(plan: PlanInfo, dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
     """An override (tests, tuning), else the tuned table entry for this GPU, else the resource heuristic."""
     if _override:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ class PlanInfo:
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    # the Geometry of each call signature that passed check_call (relgen.arguments.prepare_call)
+    calls: OrderedDict[tuple, Geometry] = field(default_factory=OrderedDict, compare=False, hash=False, repr=False)
 
     @functools.cached_property
     def copies_are_rows(self) -> bool:

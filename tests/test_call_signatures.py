@@ -1,0 +1,166 @@
+"""prepare_call's kept signatures: a repeated call skips the checks and reuses its Geometry, and nothing a check
+or the Geometry depends on can be changed without the call being checked again."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_cases import make_inputs
+
+import relgen
+from relgen import arguments
+from relgen.arguments import check_call, prepare_call
+from relgen.config import override_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec(name: str):
+    return relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+
+
+def plan_of(name: str):
+    return relgen.compile_mechanism(spec(name)).module.PLAN
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """Counts the calls checked in full."""
+    counted = []
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return check_call(*args, **kwargs)
+
+    monkeypatch.setattr(arguments, "check_call", counting)
+    return counted
+
+
+def call(plan, inputs, **options):
+    return prepare_call(
+        plan, inputs.q, inputs.k, inputs.v, *(inputs.tables.get(n) for n in ("aq", "ak", "bias")), **options
+    )
+
+
+def test_a_repeated_call_is_checked_once(checks):
+    plan = plan_of("t5")
+    plan.calls.clear()
+    inputs = make_inputs(spec("t5"), b=2, h=3, nq=40, d=16)
+    first = call(plan, inputs, q_offset=0, scale=None)
+    again = call(plan, inputs, q_offset=0, scale=None)
+    assert len(checks) == 1
+    assert again.geo is first.geo
+    assert again.q is inputs.q and again.bias is inputs.tables["bias"]
+
+
+def test_every_part_of_the_signature_is_checked_again(checks):
+    plan = plan_of("shaw")
+    plan.calls.clear()
+    base = make_inputs(spec("shaw"), b=1, h=2, nq=30, d=16)
+    call(plan, base)
+    variants = [
+        (make_inputs(spec("shaw"), b=1, h=2, nq=31, d=16), {}),  # length
+        (make_inputs(spec("shaw"), b=2, h=2, nq=30, d=16), {}),  # batch
+        (make_inputs(spec("shaw"), b=1, h=2, nq=30, d=16, dtype=torch.float16), {}),  # dtype
+        (base, {"q_offset": 3}),
+        (base, {"scale": 0.5}),
+        (base, {"scale": 1}),
+        (base, {"ablation": "no_reachable_ranges"}),
+    ]
+    for inputs, options in variants:
+        before = len(checks)
+        call(plan, inputs, **options)
+        assert len(checks) == before + 1, options
+    # and each is kept in turn
+    before = len(checks)
+    for inputs, options in variants:
+        call(plan, inputs, **options)
+    assert len(checks) == before
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"q_offset": True}, "q_offset"),  # True == 1 and hashes like it: the kept q_offset=1 must not pass it
+        ({"scale": True}, "scale"),
+        ({"q_offset": -1}, "q_offset"),
+    ],
+)
+def test_bad_options_are_refused_after_a_kept_call(options, error):
+    plan = plan_of("shaw")
+    inputs = make_inputs(spec("shaw"), b=1, h=2, nq=20, d=16)
+    call(plan, inputs, q_offset=1, scale=1)
+    with pytest.raises(ValueError, match=error):
+        call(plan, inputs, **options)
+
+
+def test_bad_tables_are_refused_after_a_kept_call():
+    plan = plan_of("t5")
+    inputs = make_inputs(spec("t5"), b=1, h=2, nq=20, d=16)
+    call(plan, inputs)
+    bias = inputs.tables["bias"]
+    for bad, error in ((bias.to(torch.int32), "floating-point"), (bias[:, :-1], "shape"), (None, "required")):
+        with pytest.raises(ValueError, match=error):
+            prepare_call(plan, inputs.q, inputs.k, inputs.v, None, None, bad)
+
+
+def test_unkept_calls_are_checked_every_time(checks):
+    plan = plan_of("t5")
+    plan.calls.clear()
+    inputs = make_inputs(spec("t5"), b=2, h=2, nq=24, d=16)
+    q_strided = inputs.q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) != 1: copied by the checks
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    unkept = [
+        dict(dropout_p=0.1),
+        dict(dropout_p=0.0, dropout_seed=3),
+        dict(key_padding_mask=mask),
+    ]
+    for _ in range(2):
+        for options in unkept:
+            call(plan, inputs, **options)
+        prepare_call(plan, q_strided, inputs.k, inputs.v, None, None, inputs.tables["bias"])
+    assert len(checks) == 2 * (len(unkept) + 1)
+    assert not plan.calls
+
+
+def test_an_override_bypasses_the_kept_signatures(checks):
+    plan = plan_of("t5")
+    inputs = make_inputs(spec("t5"), b=1, h=2, nq=24, d=16)
+    kept = call(plan, inputs).geo
+    forced = replace(kept.config, group=2 * kept.config.group)
+    with override_config(forced):
+        geo = call(plan, inputs).geo
+    assert geo.config == forced and geo.config != kept.config
+    assert call(plan, inputs).geo is kept
+
+
+def test_the_kept_signatures_are_bounded():
+    plan = plan_of("txl")
+    plan.calls.clear()
+    for n in range(1, arguments.KEPT_CALLS + 6):
+        call(plan, make_inputs(spec("txl"), b=1, h=1, nq=n, d=16))
+    assert len(plan.calls) == arguments.KEPT_CALLS
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(["shaw", "txl", "deberta_v3", "t5", "t5_decoder"]),
+    nq=st.integers(1, 200),
+    nk=st.integers(1, 200),
+    q_offset=st.sampled_from([0, 7]),
+    k_offset=st.sampled_from([0, 16]),
+    repeats=st.integers(1, 3),
+)
+def test_a_kept_geometry_equals_a_checked_one(name, nq, nk, q_offset, k_offset, repeats):
+    plan = plan_of(name)
+    inputs = make_inputs(spec(name), b=1, h=2, nq=nq, nk=nk, d=16, length=max(q_offset + nq, k_offset + nk))
+    tables = [inputs.tables.get(n) for n in ("aq", "ak", "bias")]
+    for _ in range(repeats):
+        got = prepare_call(plan, inputs.q, inputs.k, inputs.v, *tables, q_offset=q_offset, k_offset=k_offset).geo
+    want = check_call(plan, inputs.q, inputs.k, inputs.v, *tables, q_offset=q_offset, k_offset=k_offset).geo
+    assert got == want
