@@ -668,3 +668,32 @@ def test_targets_say_when_relgen_and_its_peers_were_not_measured_together():
     assert "1 peer record(s) come from another run, 2026-11-29 11:00–11:00 UTC" in text
     assert f"N = 8K 1 of {peers_at[8192]}." in text
     assert f"{old['mechanism']} {old['system']} {old['pass']}." in text
+
+
+def test_host_time_per_call_queues_a_bounded_amount_of_work():
+    calls = []
+    for estimate_ms, expected in ((0.1, 50), (1.0, 20), (100.0, 1)):
+        calls.clear()
+        ms = worker.host_ms(lambda: calls.append(1), torch.device("cpu"), estimate_ms)
+        assert len(calls) == expected and ms >= 0.0
+
+
+def test_report_names_the_host_bound_readings():
+    records = synthetic_records()
+    assert "Host-bound readings" not in report.markdown(records)  # records without host_ms say nothing
+    for r in records:
+        if r["status"] == "ok":
+            r["host_ms"] = 0.01 * r["ms"]
+    marked = {
+        ("t5", "relgen", 128, "fwd"): 1.2,
+        ("t5", "flex_decomp", 512, "fwd"): 0.95,
+        ("t5", "relgen", 256, "fwd"): 0.9,
+    }
+    for r in records:
+        factor = marked.get((r["mechanism"], r["system"], r["seq_len"], r["pass"]))
+        if factor:
+            r["host_ms"] = factor * r["ms"]
+    md = report.markdown(records)
+    lines = [line for line in md.splitlines() if line.startswith("Host-bound readings")]
+    assert len(lines) == 1 and md.index(lines[0]) > md.index("### t5")
+    assert lines[0].endswith("relgen (ours) fwd 128, 256; FlexAttention + decomp. fwd 512.")

@@ -347,6 +347,29 @@ def clocks_line(records: list[dict[str, Any]]) -> str | None:
     return "Read after each timing (clocks not locked): " + ", ".join(parts) + "."
 
 
+#: a reading within this factor of the host's time per call (or under it) may be the host's time (worker.host_ms)
+HOST_BOUND = 0.9
+
+
+def _host_bound_line(records: list[dict[str, Any]]) -> str | None:
+    """The readings that may be the host's time rather than the kernels': the system's host time per call (issued
+    without syncs) is at least HOST_BOUND of its reading. Records without host_ms (before it was measured) are
+    left out."""
+    bound: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for r in records:
+        if r.get("status") == "ok" and r.get("host_ms") and r.get("ms") and r["host_ms"] >= HOST_BOUND * r["ms"]:
+            bound[(r["system"], r["pass"])].append(r["seq_len"])
+    if not bound:
+        return None
+    systems = _system_order(records)
+    items = sorted(bound.items(), key=lambda kv: (systems.index(kv[0][0]), PASSES.index(kv[0][1])))
+    listed = "; ".join(f"{system_label(s)} {p} {', '.join(fmt_n(n) for n in sorted(ns))}" for (s, p), ns in items)
+    return (
+        f"Host-bound readings (the system's host time per call is at least {HOST_BOUND:g}× the reading, so the "
+        f"reading may be the host's time rather than the kernels'): {listed}."
+    )
+
+
 def markdown(records: list[dict[str, Any]]) -> str:
     records = [r for r in records if not r.get("variant")]
     lines = ["# Attention kernels: relgen against its peers", ""]
@@ -405,6 +428,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
             lines += _table(index, systems, passes, lens, "tflops", largest=True)
             lines += ["", "Peak memory (MiB, lower is better):", ""]
             lines += _table(index, systems, passes, lens, "peak_mib", largest=False)
+            host_bound = _host_bound_line(mech)
+            if host_bound:
+                lines += ["", host_bound]
             failures = [r for r in mech if r.get("status") != "ok" or r.get("exact") is False]
             if failures:
                 lines += ["", "Notes:", ""]

@@ -164,7 +164,26 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_m
     estimate = max(start.elapsed_time(end), 1e-3)
     rep = max(rep_ms, 1.2 * min_reps * estimate)
     ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep, return_mode="median")
-    return {"ms": float(ms), "reps": max(1, int(rep / estimate)), "timer": "triton.testing.do_bench"}
+    return {
+        "ms": float(ms),
+        "reps": max(1, int(rep / estimate)),
+        "timer": "triton.testing.do_bench",
+        "host_ms": host_ms(fn, device, estimate),
+    }
+
+
+def host_ms(fn: Callable[[], Any], device: torch.device, estimate_ms: float) -> float:
+    """The host's time per call: calls issued back to back without a sync (at most ~20 ms of GPU work queued), so
+    the GPU does not hold the host back. do_bench flushes L2 between its calls; a system whose host time is about
+    its reading or more leaves the GPU idle between them, and its reading is the host's time, not its kernels'."""
+    calls = max(1, min(50, int(20 / estimate_ms)))
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize(device)
+    return elapsed / calls * 1e3
 
 
 def measure_peak(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float | None]:
@@ -289,6 +308,7 @@ def _run_system(
         ms=timing["ms"],
         reps=timing["reps"],
         timer=timing["timer"],
+        host_ms=timing.get("host_ms"),
         tflops=record["flops"] / (timing["ms"] * 1e-3) / 1e12,
         peak_mib=common.finite_or_none(peak),
     )
