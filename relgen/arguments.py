@@ -51,10 +51,12 @@ def _shape(t: torch.Tensor) -> str:
 def _check_tensor(name: str, t: Any, rank: int, expected: Callable[[], str]) -> torch.Tensor:
     """t if it is a tensor of `rank` dimensions; `expected()` describes the shape in the error (built only then:
     this runs on every call, where formatting costs as much as the checks)."""
-    if isinstance(t, torch.Tensor) and t.dim() == rank:
+    if isinstance(t, torch.Tensor) and t.dim() == rank and t.layout == torch.strided:
         return t
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor of shape {expected()}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     raise ValueError(f"{name}: expected shape {expected()} (rank {rank}), got {_shape(t)}")
 
 
@@ -105,13 +107,13 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
         return None
     tensors = []
     for t in (q, k, v):
-        if not isinstance(t, torch.Tensor) or t.stride(-1) != 1:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dim() == 0 or t.stride(-1) != 1:
             return None
         tensors.append((t.shape, t.dtype, t.device))
     for t in (aq, ak, bias):
         if t is None:
             tensors.append(None)
-        elif isinstance(t, torch.Tensor) and t.is_contiguous():
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_contiguous():
             tensors.append((t.shape, t.dtype, t.device))
         else:
             return None

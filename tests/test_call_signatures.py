@@ -164,3 +164,22 @@ def test_a_kept_geometry_equals_a_checked_one(name, nq, nk, q_offset, k_offset, 
         got = prepare_call(plan, inputs.q, inputs.k, inputs.v, *tables, q_offset=q_offset, k_offset=k_offset).geo
     want = check_call(plan, inputs.q, inputs.k, inputs.v, *tables, q_offset=q_offset, k_offset=k_offset).geo
     assert got == want
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_a_scalar_tensor_is_refused_by_name(which):
+    """A 0-dimensional tensor has no last stride: the signature must not be what fails on it."""
+    plan = plan_of("t5")
+    inputs = make_inputs(spec("t5"), b=1, h=2, nq=20, d=16)
+    args = {"q": inputs.q, "k": inputs.k, "v": inputs.v, which: torch.tensor(1.0)}
+    with pytest.raises(ValueError, match=f"^{which}: "):
+        prepare_call(plan, args["q"], args["k"], args["v"], None, None, inputs.tables["bias"])
+
+
+def test_a_sparse_tensor_is_refused_by_name():
+    plan = plan_of("t5")
+    inputs = make_inputs(spec("t5"), b=1, h=2, nq=20, d=16)
+    with pytest.raises(ValueError, match=r"^k: expected a dense"):
+        prepare_call(plan, inputs.q, inputs.k.detach().to_sparse(), inputs.v, None, None, inputs.tables["bias"])
+    with pytest.raises(ValueError, match=r"^bias: expected a dense"):
+        prepare_call(plan, inputs.q, inputs.k, inputs.v, None, None, inputs.tables["bias"].detach().to_sparse())
