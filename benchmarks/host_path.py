@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import triton.testing
 
 import relgen
 import relgen.descriptors
+from relgen.bench.worker import host_ms
 from relgen.launch import Launcher
 from relgen.verify import make_inputs
 
@@ -34,16 +33,6 @@ from profile_kernels import kernel_times, profile_calls
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS, HEAD_DIM = 16384, 12, 64
-
-
-def host_us(fn: Callable[[], object], calls: int = 200) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:
@@ -85,8 +74,8 @@ def main() -> None:
         "seq_len": n,
         "launch": "triton" if args.triton_launch else "relgen",
         "descriptors": not args.no_descriptors,
-        "host_us_fwd": host_us(forward),
-        "host_us_bwd": host_us(backward),
+        "host_us_fwd": host_ms(forward, torch.device("cuda"), 200) * 1e3,
+        "host_us_bwd": host_ms(backward, torch.device("cuda"), 200) * 1e3,
         "gpu_ms_fwd": sum(kernels_fwd.values()),
         "gpu_ms_bwd": sum(kernels_bwd.values()),
         "kernels_fwd": {name: round(ms, 5) for name, ms in kernels_fwd.items()},

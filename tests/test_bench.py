@@ -674,7 +674,7 @@ def test_host_time_per_call_queues_a_bounded_amount_of_work():
     calls = []
     for estimate_ms, expected in ((0.1, 50), (1.0, 20), (100.0, 1)):
         calls.clear()
-        ms = worker.host_ms(lambda: calls.append(1), torch.device("cpu"), estimate_ms)
+        ms = worker.host_ms(lambda: calls.append(1), torch.device("cpu"), worker.queued_calls(estimate_ms))
         assert len(calls) == expected and ms >= 0.0
 
 

@@ -168,15 +168,19 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup_ms: float, rep_m
         "ms": float(ms),
         "reps": max(1, int(rep / estimate)),
         "timer": "triton.testing.do_bench",
-        "host_ms": host_ms(fn, device, estimate),
+        "host_ms": host_ms(fn, device, queued_calls(estimate)),
     }
 
 
-def host_ms(fn: Callable[[], Any], device: torch.device, estimate_ms: float) -> float:
-    """The host's time per call: calls issued back to back without a sync (at most ~20 ms of GPU work queued), so
-    the GPU does not hold the host back. do_bench flushes L2 between its calls; a system whose host time is about
-    its reading or more leaves the GPU idle between them, and its reading is the host's time, not its kernels'."""
-    calls = max(1, min(50, int(20 / estimate_ms)))
+def queued_calls(estimate_ms: float) -> int:
+    """How many calls host_ms issues: at most ~20 ms of GPU work queued, so that the GPU never holds the host back."""
+    return max(1, min(50, int(20 / estimate_ms)))
+
+
+def host_ms(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """The host's time per call: `calls` calls issued back to back without a sync. do_bench flushes L2 between its
+    calls; a system whose host time is about its reading or more leaves the GPU idle between them, and its reading
+    is the host's time, not its kernels'."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
