@@ -1,0 +1,47 @@
+# Seventeenth session's device calls (one nvidia-h200-x2 held across calls 1 and 2: call 2 is issued within the
+# machine's 30 s idle release of call 1, so call 1's compile caches in /tmp carry over).
+#   bash benchmarks/results/h200/sessions/2026-11-30_seventeenth_calls.sh call1|call2
+# every call starts with:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# carry: .whl .bench_state
+set -u
+case ${1:?call1 or call2} in
+call1)  # GPU 0: the GPU suite on the current tree (the call-signature cache's first GPU run); GPU 1: T5's forward
+    # host path at 512 three times, then compile every system for the four mechanisms at 128, 256, 512
+    (CUDA_VISIBLE_DEVICES=0 VERIFY_S=530 taskset -c 0-15 bash benchmarks/h200_session.sh verify /tmp/v \
+        > /tmp/v.out 2>&1) &
+    (export CUDA_VISIBLE_DEVICES=1; taskset -pc 16-31 $BASHPID > /dev/null
+     mkdir -p /tmp/hp
+     for r in 1 2 3; do
+         timeout 60 python3 benchmarks/host_path.py --spec t5 --seq-len 512 >> /tmp/hp/host_path.jsonl 2>>/tmp/hp/err
+     done
+     COMPILE_JOBS=10 MECHS="t5 txl shaw deberta_v3" bash benchmarks/h200_session.sh compile /tmp/c 400 \
+         512,256,128 > /tmp/c.out 2>&1) &
+    wait
+    tail -3 /tmp/v/gpu_tests.log; cat /tmp/hp/host_path.jsonl; cat /tmp/c/compile.log | tail -40
+    tar czf "$OUT/call1.tgz" -C /tmp v v.out hp c c.out $(cd /tmp && ls -d compile_*.log)
+    ;;
+call2)  # every system at 128, 256, 512 side by side, nothing resumed: T5 and Shaw on GPU 0, TXL and DeBERTa on
+    # GPU 1 (each record now carries the host time per call, host_ms)
+    mv .bench_state/attention.json /tmp/attention_committed.json 2>/dev/null
+    (CUDA_VISIBLE_DEVICES=0 MECHS="t5 shaw" taskset -c 0-15 \
+        bash benchmarks/h200_session.sh bench /tmp/m0 500 512,256,128 > /tmp/m0.out 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 MECHS="txl deberta_v3" taskset -c 16-31 \
+        bash benchmarks/h200_session.sh bench /tmp/m1 500 512,256,128 > /tmp/m1.out 2>&1) &
+    wait
+    tail -4 /tmp/m0/bench.log /tmp/m1/bench.log
+    tar czf "$OUT/call2.tgz" -C /tmp m0 m1 m0.out m1.out
+    ;;
+esac
+# call 3 (one nvidia-h200): where the backward's host time goes on the H200's host (cProfile, syncs every
+# queued_calls so a full launch queue is not counted as host time)
+#   for a in "t5 128" "t5 512" "deberta_v3 256" "shaw 128"; do set -- $a
+#       python3 benchmarks/host_path.py --spec $1 --seq-len $2 --profile >> $OUT/host_profile.jsonl; done
+# call 4 (the same nvidia-h200): the signature cache's host time on the H200's host, the tree before it (71415e8,
+# `git archive 71415e8 relgen specs templates` unpacked in .bench_state/old) against the current one, three
+# alternating rounds in fresh processes
+#   for r in 1 2 3; do order="old new"; [ $((r % 2)) = 0 ] && order="new old"
+#     for t in $order; do [ $t = old ] && p=$PWD/.bench_state/old || p=$PWD
+#       for a in "t5 512" "shaw 128" "deberta_v3 256" "txl 128"; do set -- $a
+#         PYTHONPATH=$p:/tmp/site python3 benchmarks/results/h200/sessions/2026-11-30_seventeenth_host_ab.py \
+#           --spec $1 --seq-len $2 --tree $t >> $OUT/host_ab.jsonl; done; done; done
