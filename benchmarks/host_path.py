@@ -6,9 +6,9 @@ benchmark does, and several times (the host's cost per call varies between proce
     python benchmarks/host_path.py --spec t5 --seq-len 512 [--triton-launch] [--no-descriptors] [--profile]
 
 Prints one JSON line: host_us_fwd / host_us_bwd (wall time per call over calls issued without a sync, as many
-as the benchmark's host_ms issues: host_calls), gpu_ms_fwd / gpu_ms_bwd (the kernels' CUDA time, torch.profiler; kernels_fwd / kernels_bwd per
-kernel), bench_ms_fwd / bench_ms_bwd
-(triton.testing.do_bench median), the CPU the process ran on and the load average.
+as the benchmark's host_ms issues: host_calls), gpu_ms_fwd / gpu_ms_bwd (the kernels' CUDA time, torch.profiler;
+kernels_fwd / kernels_bwd per kernel), bench_ms_fwd / bench_ms_bwd (triton.testing.do_bench median), the CPU the
+process ran on and the load average; with --profile, profile_fwd / profile_bwd (cProfile, per call).
 """
 
 from __future__ import annotations
