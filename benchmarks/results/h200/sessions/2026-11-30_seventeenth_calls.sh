@@ -32,6 +32,39 @@ call2)  # every system at 128, 256, 512 side by side, nothing resumed: T5 and Sh
     tail -4 /tmp/m0/bench.log /tmp/m1/bench.log
     tar czf "$OUT/call2.tgz" -C /tmp m0 m1 m0.out m1.out
     ;;
+# call 5 (one nvidia-h200-x2): the table reduction's flat loop (templates/mechanism.py.j2, _reduce_table_kernel) —
+# GPU 0: exactness (quick_timing --check, six specs at N = 128 and 1000), then the GPU suite's backward subset;
+# GPU 1: per-kernel CUDA times, the tree before (.bench_state/reduce_old.j2) against the flat loop and the flat
+# loop with 3 stages (.bench_state/sm90_reduce_s3.json), alternating fresh processes. reduce_old.j2 was
+# templates/mechanism.py.j2 of 5bda317; sm90_reduce_s3.json its relgen/tuning_tables/sm90.json with every reduce
+# entry's num_stages set to 3; the flat loop: …_call5_template_reduce_flat.diff (not landed)
+call5)
+    t0=$SECONDS
+    for t in old new new3; do
+        rm -rf /tmp/t-$t && mkdir -p /tmp/t-$t && cp -r relgen benchmarks specs templates /tmp/t-$t/
+    done
+    cp .bench_state/reduce_old.j2 /tmp/t-old/templates/mechanism.py.j2
+    cp .bench_state/sm90_reduce_s3.json /tmp/t-new3/relgen/tuning_tables/sm90.json
+    mkdir -p /tmp/r5
+    (export CUDA_VISIBLE_DEVICES=0; taskset -pc 0-15 $BASHPID > /dev/null
+     PYTHONPATH=/tmp/t-new:$PYTHONPATH timeout 150 python3 /tmp/t-new/benchmarks/quick_timing.py --check \
+         --specs shaw,txl,deberta_v3,t5,t5_decoder,wav2vec2_bert --seq-lens 128,1000 --json /tmp/r5/check.json \
+         > /tmp/r5/check.log 2>&1
+     timeout $((420 - (SECONDS - t0))) python3 -m pytest -v -n 8 tests/test_gpu.py tests/test_features.py \
+         -k "packed or bitwise or every_backward_candidate or fp32_is_exact or every_map_kind or recompute or small" \
+         -p no:warnings -p no:cacheprovider -rfE > /tmp/r5/gpu_tests.log 2>&1
+     echo "tests exit $?" >> /tmp/r5/gpu_tests.log) &
+    (export CUDA_VISIBLE_DEVICES=1; taskset -pc 16-31 $BASHPID > /dev/null
+     for t in old new new3 new old; do
+         [ $((SECONDS - t0)) -lt 320 ] || break
+         PYTHONPATH=/tmp/t-$t:$PYTHONPATH timeout 100 python3 /tmp/t-$t/benchmarks/profile_kernels.py \
+             --specs shaw,deberta_v3,t5,txl --seq-lens 128,512,8192 --json /tmp/r5/prof_$t.jsonl \
+             >> /tmp/r5/prof.log 2>&1
+     done) &
+    wait
+    tail -3 /tmp/r5/gpu_tests.log; tail -12 /tmp/r5/check.log
+    tar czf "$OUT/call5.tgz" -C /tmp r5
+    ;;
 esac
 # call 3 (one nvidia-h200): where the backward's host time goes on the H200's host (cProfile, syncs every
 # queued_calls so a full launch queue is not counted as host time)
