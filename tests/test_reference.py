@@ -655,6 +655,13 @@ def test_tolerance_criterion():
     assert check_close(torch.full((5,), 1e-7), zero, torch.float32)[0]
     assert not check_close(torch.full((5,), 1e-3), zero, torch.float32)[0]
     assert check_close(torch.full((5,), 0.02), zero, torch.float16)[0]
+    # an FP64 residue of an exactly cancelling sum is zero too (it used to switch the fp32 floor to 2e-6)
+    residue = torch.full((5,), -2.6e-15, dtype=torch.float64)
+    assert check_close(torch.full((5,), 2.03e-6), residue, torch.float32)[0]
+    assert not check_close(torch.full((5,), 2e-5), residue, torch.float32)[0]
+    assert "FP64 rounding" in check_close(torch.full((5,), 2.03e-6), residue, torch.float32)[1]
+    tiny = torch.full((5,), 1e-9, dtype=torch.float64)  # above the zero threshold: the elementwise rule holds
+    assert not check_close(torch.full((5,), 3e-6), tiny, torch.float32)[0]
     assert not check_close(e[:10], e[:11], torch.float32)[0]
     with pytest.raises(AssertionError, match="dq"):
         assert_close(e * 2, e, torch.float32, name="dq")
