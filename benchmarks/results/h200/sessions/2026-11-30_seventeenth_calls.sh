@@ -78,3 +78,13 @@ esac
 #       for a in "t5 512" "shaw 128" "deberta_v3 256" "txl 128"; do set -- $a
 #         PYTHONPATH=$p:/tmp/site python3 benchmarks/results/h200/sessions/2026-11-30_seventeenth_host_ab.py \
 #           --spec $1 --seq-len $2 --tree $t >> $OUT/host_ab.jsonl; done; done; done
+# next (prepared, not run): the fully flat table reduction (…_reduce_fullflat.diff, `git apply` on 10f3861's
+# template; CPU: test_kernels, test_features, test_vectorization 152 passed) against the tree, 2 and 3 stages
+# (sm90.json with every reduce entry at num_stages 3, as .bench_state/sm90_reduce_s3.json was made), per-kernel
+# times at 128 … 8K, then exactness; on one GPU (~6 min):
+#   for t in cur flat flat3; do mkdir -p /tmp/t-$t && cp -r relgen benchmarks specs templates /tmp/t-$t/; done
+#   (cd /tmp/t-flat && git apply --directory=. $PWD/…_reduce_fullflat.diff)  # likewise t-flat3 + the s3 table
+#   for t in cur flat flat3 flat cur; do PYTHONPATH=/tmp/t-$t:$PYTHONPATH python3 /tmp/t-$t/benchmarks/profile_kernels.py \
+#       --specs shaw,deberta_v3,t5,txl --seq-lens 128,512,2048,8192 >> $OUT/prof.log; done
+#   PYTHONPATH=/tmp/t-flat:$PYTHONPATH python3 /tmp/t-flat/benchmarks/quick_timing.py --check --seq-lens 128,1000 \
+#       --specs shaw,txl,deberta_v3,t5,t5_decoder,wav2vec2_bert
