@@ -148,9 +148,9 @@ def test_random_specs_match_reference(spec, nq, nk, seed):
 
 
 def test_a_gradient_that_cancels_exactly_is_judged_as_zero():
-    """A random draw that once failed: every pair reads table row 0 (one bucket below the boundary 50 for
-    |δ| < 59), so that row's dÃ^Q is Σ_i q_i Σ_j dS_ij = 0; the FP64 oracle gives −2.6e-15 and relgen 2.03e-6, which
-    the criterion judged against its 2e-6 floor instead of as the rounding noise of a zero (relgen.testing)."""
+    """A random draw that once failed: every offset j − i lies in [−58, 11], below the boundary 50, so every pair
+    reads table row 0 and that row's dÃ^Q is Σ_i q_i Σ_j dS_ij = 0; the FP64 oracle gives −2.6e-15 and relgen
+    2.03e-6, which the criterion judged against its 2e-6 floor instead of as the rounding noise of a zero."""
     spec = relgen.load_spec(
         {
             "name": "cancels",
