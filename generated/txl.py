@@ -1945,8 +1945,10 @@ def _for_lengths(kernel, any_length, geo):
 
 
 def _strides(t):
-    """(batch, head, token) strides: [B, H, N, d] tensors, or packed [total, H, d] ones (no batch stride)."""
-    return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, t.stride(1), t.stride(0))
+    """(batch, head, token) strides: [B, H, N, d] tensors, or packed [total, H, d] ones (no batch stride). One
+    stride() call: each is a call into torch, and a backward takes ~15 of these (host path, seventeenth session)."""
+    s = t.stride()
+    return (s[0], s[1], s[2]) if len(s) == 4 else (0, s[1], s[0])
 
 
 def _tiles(t):
