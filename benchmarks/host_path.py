@@ -26,13 +26,9 @@ import relgen
 import relgen.descriptors
 from relgen.bench.worker import host_ms, queued_calls
 from relgen.launch import Launcher
-from relgen.verify import make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_kernels import kernel_times, profile_calls
-
-ROOT = Path(__file__).resolve().parent.parent
-TOKENS, HEADS, HEAD_DIM = 16384, 12, 64
+from profile_kernels import inputs, kernel_times, profile_calls
 
 
 def main() -> None:
@@ -47,17 +43,12 @@ def main() -> None:
         Launcher.launch = lambda self, grid, a, kw: self.kernel[grid](*a, **kw)
     relgen.descriptors.enabled = not args.no_descriptors
 
-    spec = relgen.load_spec(ROOT / "specs" / f"{args.spec}.yaml")
     n = args.seq_len
-    b, half = max(1, TOKENS // n), torch.float16
-    made = make_inputs(spec, b=b, h=HEADS, nq=n, d=HEAD_DIM, dtype=half, device="cuda", bias_dtype=half)
-    fn = relgen.compile_mechanism(spec)
-    leaves = [made.q, made.k, made.v, *made.tables.values()]
-    for t in leaves:
-        t.requires_grad_(True)
+    fn, qkv, tables = inputs(args.spec, n)  # the benchmark's problem: 16K tokens, 12 heads, d = 64, fp16 tables
+    leaves = [*qkv, *tables.values()]  # make_inputs' leaves require grad
 
     def forward():
-        return fn(made.q, made.k, made.v, **made.tables)
+        return fn(*qkv, **tables)
 
     out = forward()
     do = torch.randn_like(out)
