@@ -1,14 +1,18 @@
 """Quick relgen-only timing on a GPU (a development aid; the benchmark that compares peers is `relgen bench`).
 
 python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT] [--check]
+    [--descriptors]
 
 A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --check adds "exact": the same
-kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.verify).
+kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.verify); with
+--descriptors, the check's calls take the tensor-descriptor paths whatever their size (relgen.descriptors.forced),
+as the timed calls of 16K tokens at N ≥ 2K do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -17,6 +21,7 @@ import torch
 import triton
 
 import relgen
+from relgen import descriptors
 from relgen.verify import check_spec, make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +79,7 @@ def main() -> None:
     parser.add_argument("--specs", default="shaw,txl,deberta_v3,t5")
     parser.add_argument("--json", default=None)
     parser.add_argument("--check", action="store_true", help="also compare with the FP64 reference")
+    parser.add_argument("--descriptors", action="store_true", help="the check with descriptors forced on")
     args = parser.parse_args()
     rows = []
     for name in args.specs.split(","):
@@ -81,7 +87,8 @@ def main() -> None:
             try:
                 r = measure(name, n)
                 if args.check:
-                    checked = check_spec(spec_path(name), [n], "cuda")
+                    with descriptors.forced(True) if args.descriptors else contextlib.nullcontext():
+                        checked = check_spec(spec_path(name), [n], "cuda")
                     r["exact"] = all(c.ok for c in checked)
                     r["failed"] = [f"{c.tensor}: {c.message}" for c in checked if not c.ok]
             except Exception as err:  # report and go on: one broken kernel must not hide the others
