@@ -84,7 +84,10 @@ KEY_PASS_TILES = (
 #: column tile: 32 and 128 are there for it (H200, 8K: DeBERTa 2.349 ms with 128 against 2.366 with 64; Shaw
 #: 1.221 with 32 against 1.232; NOTES.md, twelfth session).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 128, 8, 2))
-REDUCE_TILES = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2))
+#: 64x64x64 with 3 stages: the table reduction −10 to −19 % for Shaw at 512–8K, −10 % for DeBERTa at 2K / 8K,
+#: −13 % for TXL at 128 / 512, but +5 % for DeBERTa at 128 / 512 (H200, NOTES.md, eighteenth session; measured on a
+#: flatter loop whose 2-stage times equal this one's within 1 %): so a candidate per bucket, not a new default
+REDUCE_TILES = ((64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (128, 64, 32, 8, 2))
 
 #: do_bench settings: short, the candidate lists are many.
 WARMUP_MS = 10
