@@ -1,5 +1,5 @@
 #!/bin/bash
-# Nineteenth session's device calls as they ran (five calls on nvidia-h200-x2 machines, 1413 s of device time).
+# Nineteenth session's device calls as they ran (six calls on nvidia-h200-x2 machines, 1789 s of device time).
 # Each started: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD;
 # Variant trees lived in .bench_state/var3/ (carried in calls 1-2): copies of relgen/ templates/ specs/ and
 # benchmarks/*.py; head = git archive of f57b0be (the session's start), merge = head + …eighteenth_template_merge.diff,
@@ -34,3 +34,9 @@ CUDA_VISIBLE_DEVICES=1 taskset -c 16-31 python3 -m relgen tune specs/shaw.yaml -
 # merged here: python -m relgen.bench --merge …_call4_attention_shaw_512.json …_call4_attention_shaw_1024.json --out benchmarks/results/h200
 # Call 5: the GPU suite on the retuned table
 bash benchmarks/h200_session.sh verify $OUT
+# Call 6 (cut by its 330 s limit; nothing changed): DeBERTa's 512 / 1K entries retuned, merged, then compiled and
+# benched in the same call; the tuner's 165 s budget ran out first (no entry written), the bench did not finish
+(CUDA_VISIBLE_DEVICES=0 taskset -c 0-15 timeout 200 python3 -m relgen tune specs/deberta_v3.yaml --seq-lens 512 --budget-s 165 --out $OUT/d512.json) &
+(CUDA_VISIBLE_DEVICES=1 taskset -c 16-31 timeout 200 python3 -m relgen tune specs/deberta_v3.yaml --seq-lens 1024 --budget-s 165 --out $OUT/d1k.json); wait
+# … then the entries merged with relgen.tune.write_entry and, per GPU, h200_session.sh compile /tmp/gX 95 N and
+# bench /tmp/gX 70 N with MECHS=deberta_v3 (not reached in full)
