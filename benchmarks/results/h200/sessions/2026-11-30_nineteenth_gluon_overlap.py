@@ -8,11 +8,11 @@ N a multiple of the key tile, GPU only for timing (Gluon does not run in Triton'
 Per program BM queries of one (batch, head), one warp group (4 warps). K and V stream through a cp.async ring of
 STAGES slots (one copy group per key tile). Iteration j, with S_j = Q·K_jᵀ in registers:
   a. wait for tile j + 1's copies;
-  b. issue S_{j+1} = Q·K_{j+1}ᵀ, asynchronous (the last iteration multiplies a stale slot and drops the result);
+  b. issue S_{j+1} = Q·K_{j+1}ᵀ, asynchronous (the last iteration multiplies an empty slot and drops the result);
   c. the online softmax of S_j (exp2, scale folded), P_j in fp16;
   d. wait for O += P_{j−1}·V_{j−1} (the oldest outstanding product; S_{j+1} stays in flight);
   e. issue O = α·O + P_j·V_j, asynchronous;
-  f. issue the copies of tile j + STAGES − 1 into the slot tile j − 1 used (its products are done);
+  f. a CTA barrier, then the copies of tile j + STAGES − 1 into the slot tile j − 1 used (its products are done);
   g. wait for S_{j+1} (O += P_j·V_j stays in flight).
 
     python 2026-11-30_nineteenth_gluon_overlap.py --compile OUT_DIR   sm_90 PTX/TTGIR and ptxas registers on the CPU
@@ -107,7 +107,8 @@ def plain_overlap(Q, K, V, Out, N, qk_scale, BM: gl.constexpr, BN: gl.constexpr,
         o = warpgroup_mma_wait(1, deps=[acc])
         # e.
         acc = warpgroup_mma(p16, v_smem.index(j % STAGES), o * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
-        # f. tile j − 1's slot is free: tile j + STAGES − 1 goes there
+        # f. tile j − 1's slot is free once every warp is past d: tile j + STAGES − 1 goes there
+        gl.thread_barrier()
         nxt = j + STAGES - 1
         _kv_copy(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), K, V, row0, nxt, NT, BN, D, blk)
         # g. S_{j+1} (O += P_j·V_j stays in flight)

@@ -1,0 +1,352 @@
+"""Nineteenth session: Shaw's forward in Gluon with the next key tile's QK product in flight during the current
+tile's softmax (`…_nineteenth_gluon_overlap.py`'s schedule) on the fourteenth session's prototype
+(`…_fourteenth_gluon_forward.py`: the block's Z̃^Q rows written by a prologue, band tiles first reading their
+entries at the clamped column in the accumulator's layout, saturated tiles adding one end entry per query). The
+question for the H200: does that schedule bring Shaw's 8K forward to the stretch (≤ 1.165 ms; relgen 1.214–1.232)?
+Not part of relgen: one problem shape (saturating clipped map, query term, non-causal, fp16, d = 64, N a multiple
+of 128), no autograd, GPU only for timing.
+
+Per program BM queries of one (batch, head), 4 warps. Key tiles in the visiting order band [b_lo, b_hi) first,
+then the others ascending; two loops over the visits (band, then saturated), one body (`_visit`): with S_v (its
+relative part added) and its per-query shift c_v in registers,
+  a. wait for visit v + 1's copies; b. issue S_{v+1} = Q·K_{v+1}ᵀ asynchronously; b'. GATHER_AHEAD: load visit
+  v + 1's band entries now, so that their latency passes during the softmax (32 more registers held);
+  c. online softmax of S_v; d. wait for O += P_{v−1}·V_{v−1}; e. issue O = α·O + P_v·V_v asynchronously;
+  f. a CTA barrier, then the copies of visit v + STAGES − 1 into the slot visit v − 1 used; g. wait for S_{v+1};
+  add its band entries (loaded here when not GATHER_AHEAD) or take its shift.
+
+    python 2026-11-30_nineteenth_gluon_shaw_overlap.py --compile OUT_DIR   sm_90 TTGIR/PTX and ptxas registers
+    python 2026-11-30_nineteenth_gluon_shaw_overlap.py --time [N]          on the H200 (relgen importable): error
+                                                                           against an FP32 oracle on one head, then
+                                                                           do_bench beside relgen and plain SDPA
+
+Compiled on the CPU only (this session's device time was spent); not yet run.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+MAX_REL = 256  # Shaw's clipping distance (specs/shaw.yaml)
+ZS = 520  # Z̃^Q's row pitch: C = 513 columns padded to 8
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _tile_at(v, nb, b_lo):
+    """The v-th key tile a program visits: its nb band tiles from b_lo on, then the others in ascending order."""
+    return gl.where(v < nb, b_lo + v, gl.where(v - nb < b_lo, v - nb, v))
+
+
+@gluon.jit
+def _kv_copy(k_slot, v_slot, K, V, row0, v, NT, nb, b_lo, BN: gl.constexpr, D: gl.constexpr, blk: gl.constexpr):
+    """One copy group: visit v's K and V rows into a ring slot (an empty group past the last visit)."""
+    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, blk))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    at = (row0 + _tile_at(v, nb, b_lo) * BN + offs_n)[:, None] * D + offs_d[None, :]
+    real = (v < NT) & (offs_n < BN)[:, None]
+    async_copy.async_copy_global_to_shared(k_slot, K + at, mask=real)
+    async_copy.async_copy_global_to_shared(v_slot, V + at, mask=real)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _band_entries(zrows, i0, offs_m, offs_n, tile, band, MAXREL: gl.constexpr):
+    """A band tile's entries q_i·a_{s(δ)} (fp16, the accumulator's layout), read at the clamped column; zeros (no
+    memory traffic) when `band` is false."""
+    C: gl.constexpr = 2 * MAXREL + 1
+    cols = gl.minimum(
+        gl.maximum((i0 + offs_m)[:, None] - (tile * offs_n.shape[0] + offs_n)[None, :] + MAXREL, 0), C - 1
+    )
+    return gl.load(zrows[:, None] + cols, mask=band & (cols >= 0), other=0.0)
+
+
+@gluon.jit
+def _visit(
+    v,
+    s,
+    c,
+    m_i,
+    l_i,
+    acc,
+    q_smem,
+    k_smem,
+    v_smem,
+    K,
+    V,
+    zrows,
+    row0,
+    i0,
+    offs_m,
+    offs_n,
+    NT,
+    nb,
+    b_lo,
+    c_hi,
+    c_lo,
+    qk_scale,
+    MAXREL: gl.constexpr,
+    BN: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    GATHER: gl.constexpr,
+    GATHER_AHEAD: gl.constexpr,
+    mma: gl.constexpr,
+    mma_o: gl.constexpr,
+    blk: gl.constexpr,
+):
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    # a.
+    async_copy.wait_group(STAGES - 3)
+    gl.thread_barrier()
+    fence_async_shared()
+    # b.
+    zeros_s = gl.zeros([s.shape[0], BN], gl.float32, mma)
+    s_next = warpgroup_mma(
+        q_smem, k_smem.index((v + 1) % STAGES).permute((1, 0)), zeros_s, use_acc=False, is_async=True
+    )
+    tile_next = _tile_at(v + 1, nb, b_lo)
+    band_next = (v + 1) < nb
+    if GATHER and GATHER_AHEAD:
+        rel = _band_entries(zrows, i0, offs_m, offs_n, tile_next, band_next, MAXREL)
+    # c.
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + c)
+    p = gl.exp2(s * qk_scale - (m_new - c)[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p16 = gl.convert_layout(p.to(gl.float16), p_op)
+    # d.
+    o = warpgroup_mma_wait(1, deps=[acc])
+    # e.
+    acc = warpgroup_mma(p16, v_smem.index(v % STAGES), o * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
+    # f. (every warp past d: the per-warp waits for O += P_{v−1}·V_{v−1} are all done, so its slot is free)
+    gl.thread_barrier()
+    nxt = v + STAGES - 1
+    _kv_copy(k_smem.index(nxt % STAGES), v_smem.index(nxt % STAGES), K, V, row0, nxt, NT, nb, b_lo, BN, D, blk)
+    # g.
+    s = warpgroup_mma_wait(1, deps=[s_next])
+    if GATHER:
+        if not GATHER_AHEAD:
+            rel = _band_entries(zrows, i0, offs_m, offs_n, tile_next, band_next, MAXREL)
+        s = s + rel.to(gl.float32)
+    c = gl.where(band_next, 0.0, gl.where(tile_next < b_lo, c_hi, c_lo))
+    return s, c, m_new, l_i, acc
+
+
+@gluon.jit
+def shaw_overlap(
+    Q,
+    K,
+    V,
+    A,
+    Z,
+    Out,
+    N,
+    H,
+    qk_scale,
+    MAXREL: gl.constexpr,
+    ZSTRIDE: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    GATHER_AHEAD: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.float16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    C: gl.constexpr = 2 * MAXREL + 1
+
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    i0 = pid_m * BM
+    row0 = bh * N
+    NT = N // BN
+    offs_qm = gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    q = gl.load(Q + (row0 + i0 + offs_qm)[:, None] * D + offs_d[None, :])
+    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D], q_sl, q)
+    offs_m = gl.arange(0, BM, layout=rows_l)
+    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    zrows = Z + (row0 + i0 + offs_m).to(gl.int64) * ZSTRIDE
+
+    # prologue: Z̃^Q[i, s] = q_i · a_s for the block's rows (as the fourteenth session's prototype)
+    a_smem = gl.allocate_shared_memory(gl.float16, [BN, D], kv_sl)
+    offs_an = gl.arange(0, BN, layout=gl.SliceLayout(1, blk))
+    table = A + (bh % H) * C * D
+    for w0 in range(0, ZSTRIDE, BN):
+        a = gl.load(table + (w0 + offs_an)[:, None] * D + offs_d[None, :], mask=(w0 + offs_an < C)[:, None], other=0.0)
+        a_smem.store(a)
+        fence_async_shared()
+        gl.thread_barrier()
+        z = warpgroup_mma(q_smem, a_smem.permute((1, 0)), gl.zeros([BM, BN], gl.float32, mma), use_acc=False)
+        cols = w0 + offs_n
+        gl.store(zrows[:, None] + cols[None, :], z.to(gl.float16), mask=(cols < ZSTRIDE)[None, :])
+        gl.thread_barrier()  # every warp's product is done before the next tile overwrites a_smem
+    c_hi = gl.load(zrows + (C - 1)).to(gl.float32) * qk_scale  # pairs with δ ≥ 256
+    c_lo = gl.load(zrows).to(gl.float32) * qk_scale  # δ ≤ −256
+
+    b_lo = (gl.maximum(i0 - (MAXREL + BN - 1), -BN) + BN) // BN
+    b_hi = gl.minimum(NT, (i0 + BM - 1 + MAXREL + BN) // BN)
+    nb = b_hi - b_lo
+
+    k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], kv_sl)
+    v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], kv_sl)
+    for t in gl.static_range(STAGES - 1):
+        _kv_copy(k_smem.index(t), v_smem.index(t), K, V, row0, t, NT, nb, b_lo, BN, D, blk)
+    async_copy.wait_group(STAGES - 2)  # visit 0
+    gl.thread_barrier()
+    fence_async_shared()
+    tile0 = _tile_at(0, nb, b_lo)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BM, BN], gl.float32, mma), use_acc=False)
+    s = s + _band_entries(zrows, i0, offs_m, offs_n, tile0, nb > 0, MAXREL).to(gl.float32)
+    c = gl.where(nb > 0, 0.0, gl.where(tile0 < b_lo, c_hi, c_lo))
+    m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
+    l_i = gl.zeros([BM], gl.float32, rows_l)
+    acc = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, mma_o))
+    args = (q_smem, k_smem, v_smem, K, V, zrows, row0, i0, offs_m, offs_n, NT, nb, b_lo, c_hi, c_lo, qk_scale)
+    for v in range(0, nb):  # band visits: the next visit's entries are gathered (the last one's: none)
+        s, c, m_i, l_i, acc = _visit(
+            v, s, c, m_i, l_i, acc, *args, MAXREL, BN, D, STAGES, True, GATHER_AHEAD, mma, mma_o, blk
+        )
+    for v in range(nb, NT):  # saturated visits: per-query shifts only
+        s, c, m_i, l_i, acc = _visit(
+            v, s, c, m_i, l_i, acc, *args, MAXREL, BN, D, STAGES, False, False, mma, mma_o, blk
+        )
+    o = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+    out = o / gl.convert_layout(l_i, rows_o)[:, None]
+    offs_mo = gl.arange(0, BM, layout=rows_o)
+    offs_od = gl.arange(0, D, layout=gl.SliceLayout(0, mma_o))
+    gl.store(Out + (row0 + i0 + offs_mo)[:, None] * D + offs_od[None, :], out.to(gl.float16))
+
+
+CONFIGS = ((128, 64, 3, False), (128, 64, 3, True), (128, 64, 4, False), (64, 64, 3, False), (64, 64, 3, True))
+
+
+def _name(bm, bn, stages, ahead):
+    return f"shaw_overlap_{bm}x{bn}_s{stages}{'_ahead' if ahead else ''}"
+
+
+def _compile(out: Path) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # benchmarks/, for compile_check's ptxas report
+    from compile_check import ptxas_usage
+
+    out.mkdir(parents=True, exist_ok=True)
+    signature = {
+        "Q": "*fp16",
+        "K": "*fp16",
+        "V": "*fp16",
+        "A": "*fp16",
+        "Z": "*fp16",
+        "Out": "*fp16",
+        "N": "i32",
+        "H": "i32",
+        "qk_scale": "fp32",
+        "MAXREL": "constexpr",
+        "ZSTRIDE": "constexpr",
+        "BM": "constexpr",
+        "BN": "constexpr",
+        "D": "constexpr",
+        "STAGES": "constexpr",
+        "GATHER_AHEAD": "constexpr",
+    }
+    attrs = {(i,): CUDABackend.parse_attr("D") for i in range(7)}  # a launch at N = 8192: aligned, N % 16 = 0
+    for bm, bn, stages, ahead in CONFIGS:
+        constexprs = {
+            "MAXREL": MAX_REL,
+            "ZSTRIDE": ZS,
+            "BM": bm,
+            "BN": bn,
+            "D": 64,
+            "STAGES": stages,
+            "GATHER_AHEAD": ahead,
+        }
+        src = GluonASTSource(shaw_overlap, signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        name = _name(bm, bn, stages, ahead)
+        (out / f"{name}.ttgir").write_text(compiled.asm["ttgir"])
+        (out / f"{name}.ptx").write_text(compiled.asm["ptx"])
+        usage = ptxas_usage(compiled.asm["ptx"], 90)
+        print(json.dumps({"config": name, "shared": compiled.metadata.shared, "ptxas": usage}), flush=True)
+
+
+def _time(n: int = 8192, heads: int = 12, tokens: int = 16384, d: int = 64) -> None:
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    import relgen
+
+    b = tokens // n
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, heads, n, d, device="cuda", generator=gen).half() for _ in range(3))
+    table = (0.5 * torch.randn(heads, 2 * MAX_REL + 1, d, device="cuda", generator=gen)).half()
+    z = torch.empty(b * heads * n, ZS, device="cuda", dtype=torch.float16)
+    scale = 1 / math.sqrt(d)
+
+    def gluon_fwd(bm, bn, stages, ahead):
+        o = torch.empty_like(q)
+        shaw_overlap[(n // bm, b * heads)](
+            q, k, v, table, z, o, n, heads, scale * LOG2E, MAX_REL, ZS, bm, bn, d, stages, ahead, num_warps=4
+        )
+        return o
+
+    fn = relgen.compile_mechanism(relgen.load_spec(Path(__file__).resolve().parents[4] / "specs" / "shaw.yaml"))
+    systems = [
+        ("relgen", lambda: fn(q, k, v, aq=table)),
+        ("sdpa_plain", lambda: F.scaled_dot_product_attention(q, k, v)),
+    ]
+    systems += [(_name(*cfg), functools.partial(gluon_fwd, *cfg)) for cfg in CONFIGS]
+    # the FP32 oracle on one head: S = (q·k + q·a_{clip(i−j)}) / sqrt(d)
+    qf, kf, vf, af = q[0, 0].float(), k[0, 0].float(), v[0, 0].float(), table[0].float()
+    idx = torch.arange(n, device="cuda")
+    rows = (idx[:, None] - idx[None, :]).clamp(-MAX_REL, MAX_REL) + MAX_REL
+    ref = torch.softmax(((qf @ kf.T) + torch.gather(qf @ af.T, 1, rows)) * scale, -1) @ vf
+    del rows
+    for name, f in systems:
+        if name == "sdpa_plain":
+            continue
+        try:
+            err = (f()[0, 0].float() - ref).abs().max().item()
+        except Exception as exc:  # a configuration that fails to compile or launch is a finding
+            err = f"{type(exc).__name__}: {exc}"[:300]
+        print(json.dumps({"system": name, "max_err_vs_fp32_head0": err}), flush=True)
+    times = {name: [] for name, _ in systems}
+    for _ in range(3):  # alternating rounds
+        for name, f in systems:
+            try:
+                times[name].append(round(do_bench(f, warmup=50, rep=200, return_mode="median"), 4))
+            except Exception as exc:
+                times[name].append(f"{type(exc).__name__}"[:80])
+    print(json.dumps({"n": n, "ms": times}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--compile":
+        _compile(Path(sys.argv[2]))
+    else:
+        _time(*(int(a) for a in sys.argv[2:]))
