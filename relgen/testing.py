@@ -119,16 +119,15 @@ def check_close(
     if a.numel() == 0:
         return True, f"{label}all entries are matching infinities"
 
-    diff = (a - e).abs()
-    e_norm = float(torch.linalg.vector_norm(e))
     e_max = float(e.abs().max())
-    err_max = float(diff.max())
     if e_max <= ZERO:
-        ok = float(a.abs().max()) <= tol.zero_abs
+        a_max = float(a.abs().max())
         kind = "all zero" if e_max == 0.0 else f"zero up to FP64 rounding (max|e| = {e_max:.1e})"
-        return ok, f"{label}expected is {kind}: max|a| = {float(a.abs().max()):.3e} (limit {tol.zero_abs:g})"
+        return a_max <= tol.zero_abs, f"{label}expected is {kind}: max|a| = {a_max:.3e} (limit {tol.zero_abs:g})"
 
-    rel_l2 = float(torch.linalg.vector_norm(a - e)) / e_norm
+    diff = (a - e).abs()
+    err_max = float(diff.max())
+    rel_l2 = float(torch.linalg.vector_norm(diff)) / float(torch.linalg.vector_norm(e))
     allowed = tol.rel * e.abs() + tol.abs_ + tol.rel_to_max * e_max
     excess = diff / allowed
     worst = int(torch.argmax(excess))
