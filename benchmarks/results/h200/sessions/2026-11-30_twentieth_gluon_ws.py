@@ -29,7 +29,6 @@ import math
 import sys
 from pathlib import Path
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -46,7 +44,8 @@ BENCHMARKS = HERE.parents[2]
 _spec = importlib.util.spec_from_file_location("overlap", HERE / "2026-11-30_nineteenth_gluon_overlap.py")
 overlap = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(overlap)
-_tile_at, _band_entries = overlap._tile_at, overlap._band_entries
+_tile_at, _band_entries, _write_zq_rows = overlap._tile_at, overlap._band_entries, overlap._write_zq_rows
+_softmax_step, _q_block, _first_visit = overlap._softmax_step, overlap._q_block, overlap._first_visit
 MAX_REL, ZS, LOG2E = overlap.MAX_REL, overlap.ZS, overlap.LOG2E
 
 _BLK = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
@@ -59,7 +58,11 @@ def _mma_layout(n):
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, row0, NT, nb, b_lo, STAGES: gl.constexpr):
+def _producer(descs, ring, bars, coords, STAGES: gl.constexpr):
+    k_desc, v_desc = descs
+    k_smem, v_smem = ring
+    ready_k, ready_v, empty = bars
+    _, row0, _, _, NT, nb, b_lo = coords
     BN: gl.constexpr = k_desc.block_type.shape[0]
     for v in range(NT):
         slot = v % STAGES
@@ -74,34 +77,27 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, row0, NT,
 @gluon.jit
 def _consumer(
     q_smem,
-    k_smem,
-    v_smem,
     a_smem,
-    ready_k,
-    ready_v,
-    empty,
+    ring,
+    bars,
+    coords,
     A,
     Out,
     zrows,
-    i0,
-    row0,
-    bh,
-    H,
-    NT,
-    nb,
-    b_lo,
     qk_scale,
     MAXREL: gl.constexpr,
     ZSTRIDE: gl.constexpr,
     STAGES: gl.constexpr,
     RELATIVE: gl.constexpr,
 ):
+    k_smem, v_smem = ring
+    ready_k, ready_v, empty = bars
+    i0, row0, bh, H, NT, nb, b_lo = coords
     BM: gl.constexpr = q_smem.type.shape[0]
     D: gl.constexpr = q_smem.type.shape[1]
     BN: gl.constexpr = k_smem.type.shape[1]
     mma: gl.constexpr = _mma_layout(BN)
     mma_o: gl.constexpr = _mma_layout(D)
-    blk: gl.constexpr = _BLK
     C: gl.constexpr = 2 * MAXREL + 1
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
@@ -110,36 +106,15 @@ def _consumer(
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
     zeros_s = gl.zeros([BM, BN], gl.float32, mma)
 
-    if RELATIVE:  # the prologue: Z̃^Q[i, s] = q_i · a_s for the block's rows, while the producer fills the ring
-        offs_an = gl.arange(0, BN, layout=gl.SliceLayout(1, blk))
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-        table = A + (bh % H) * C * D
-        for w0 in range(0, ZSTRIDE, BN):
-            a = gl.load(
-                table + (w0 + offs_an)[:, None] * D + offs_d[None, :], mask=(w0 + offs_an < C)[:, None], other=0.0
-            )
-            a_smem.store(a)
-            fence_async_shared()
-            gl.thread_barrier()
-            z = warpgroup_mma(q_smem, a_smem.permute((1, 0)), zeros_s, use_acc=False)
-            cols = w0 + offs_n
-            gl.store(zrows[:, None] + cols[None, :], z.to(gl.float16), mask=(cols < ZSTRIDE)[None, :])
-            gl.thread_barrier()  # every warp's product is done before the next tile overwrites a_smem
-        c_hi = gl.load(zrows + (C - 1)).to(gl.float32) * qk_scale  # pairs with δ ≥ MAXREL
-        c_lo = gl.load(zrows).to(gl.float32) * qk_scale  # δ ≤ −MAXREL
+    if RELATIVE:  # the prologue, while the producer fills the ring
+        c_hi, c_lo = _write_zq_rows(q_smem, a_smem, A + (bh % H) * C * D, zrows, qk_scale, MAXREL, ZSTRIDE, mma, _BLK)
     else:
         c_hi = gl.zeros([BM], gl.float32, rows_l)
         c_lo = c_hi
 
     mbarrier.wait(ready_k.index(0), 0)
-    tile0 = _tile_at(0, nb, b_lo)
     s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False)
-    if RELATIVE:
-        s = s + _band_entries(zrows, i0, offs_m, offs_n, tile0, nb > 0, MAXREL).to(gl.float32)
-    c = gl.where(nb > 0, 0.0, gl.where(tile0 < b_lo, c_hi, c_lo))
-    m_i = gl.full([BM], float("-inf"), gl.float32, rows_l)
-    l_i = gl.zeros([BM], gl.float32, rows_l)
-    acc = warpgroup_mma_init(gl.zeros([BM, D], gl.float32, mma_o))
+    s, c, m_i, l_i, acc = _first_visit(s, zrows, i0, offs_m, offs_n, nb, b_lo, c_hi, c_lo, MAXREL, RELATIVE, mma_o)
     for v in range(NT):
         nxt = v + 1
         more = nxt < NT
@@ -148,11 +123,7 @@ def _consumer(
         mbarrier.wait(ready_k.index(slot_n), (nxt // STAGES) & 1, pred=more)
         s_next = warpgroup_mma(q_smem, k_smem.index(slot_n).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         # b.
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + c)
-        p = gl.exp2(s * qk_scale - (m_new - c)[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        p16 = gl.convert_layout(p.to(gl.float16), p_op)
+        m_new, l_i, alpha, p16 = _softmax_step(s, c, m_i, l_i, qk_scale, p_op)
         # c.
         o = warpgroup_mma_wait(1, deps=[acc])
         mbarrier.arrive(empty.index((v + STAGES - 1) % STAGES), pred=v > 0)
@@ -200,18 +171,8 @@ def ws_forward(
     # visit v waits for K_{v+1}, whose slot visit v − 1 releases only after its PV product: two slots deadlock
     gl.static_assert(STAGES >= 3)
     mma: gl.constexpr = _mma_layout(BN)
-    blk: gl.constexpr = _BLK
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], gl.float16)
 
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    i0 = pid_m * BM
-    row0 = bh * N
-    NT = N // BN
-    offs_qm = gl.arange(0, BM, layout=gl.SliceLayout(1, blk))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    q = gl.load(Q + (row0 + i0 + offs_qm)[:, None] * D + offs_d[None, :])
-    q_smem = gl.allocate_shared_memory(gl.float16, [BM, D], q_sl, q)
+    bh, i0, row0, NT, q_smem = _q_block(Q, N, BM, D, BN, _BLK)
     k_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], v_desc.layout)
     a_smem = gl.allocate_shared_memory(gl.float16, [BN if RELATIVE else 8, D], k_desc.layout)
@@ -230,37 +191,17 @@ def ws_forward(
         b_lo = 0
         nb = 0
     zrows = Z + (row0 + i0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))).to(gl.int64) * ZSTRIDE
-    producer = (k_desc, v_desc, k_smem, v_smem, ready_k, ready_v, empty, row0, NT, nb, b_lo, STAGES)
+    ring = (k_smem, v_smem)
+    bars = (ready_k, ready_v, empty)
+    coords = (i0, row0, bh, H, NT, nb, b_lo)
+    # the constexprs go straight into the list: a tuple assigned to a name first loses their constexpr-ness
     gl.warp_specialize(
         [
             (
                 _consumer,
-                (
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    a_smem,
-                    ready_k,
-                    ready_v,
-                    empty,
-                    A,
-                    Out,
-                    zrows,
-                    i0,
-                    row0,
-                    bh,
-                    H,
-                    NT,
-                    nb,
-                    b_lo,
-                    qk_scale,
-                    MAXREL,
-                    ZSTRIDE,
-                    STAGES,
-                    RELATIVE,
-                ),
+                (q_smem, a_smem, ring, bars, coords, A, Out, zrows, qk_scale, MAXREL, ZSTRIDE, STAGES, RELATIVE),
             ),
-            (_producer, producer),
+            (_producer, ((k_desc, v_desc), ring, bars, coords, STAGES)),
         ],
         [1],  # one producer warp
         [24],  # its registers
@@ -285,14 +226,8 @@ def _name(relative, bm, bn, stages, maxnreg):
 
 
 def _compile(out: Path) -> None:
-    from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    sys.path.insert(0, str(BENCHMARKS))
-    from compile_check import ptxas_usage
-
-    out.mkdir(parents=True, exist_ok=True)
     for relative, bm, bn, stages, maxnreg in CONFIGS:
         layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.float16)
         desc = f"tensordesc<fp16[{bn}, 64],{layout!r}>"
@@ -301,37 +236,21 @@ def _compile(out: Path) -> None:
         constant = ("MAXREL", "ZSTRIDE", "BM", "STAGES", "RELATIVE")
         signature |= dict.fromkeys(constant, "constexpr")
         attrs = {(i,): CUDABackend.parse_attr("D") for i in (0, 3, 4, 5, 6)}
-        values = (MAX_REL, ZS, bm, stages, relative)
-        src = GluonASTSource(ws_forward, signature, constexprs=dict(zip(constant, values, strict=True)), attrs=attrs)
+        constexprs = dict(zip(constant, (MAX_REL, ZS, bm, stages, relative), strict=True))
         options = {"num_warps": 4, "maxnreg": maxnreg}
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        name = _name(relative, bm, bn, stages, maxnreg)
-        (out / f"{name}.ttgir").write_text(compiled.asm["ttgir"])
-        (out / f"{name}.ptx").write_text(compiled.asm["ptx"])
-        usage = ptxas_usage(compiled.asm["ptx"], 90)
-        print(json.dumps({"config": name, "shared": compiled.metadata.shared, "ptxas": usage}), flush=True)
+        overlap._emit(ws_forward, signature, constexprs, attrs, options, out, _name(relative, bm, bn, stages, maxnreg))
 
 
-def _time(n: int = 8192, heads: int = 12, tokens: int = 16384, d: int = 64, smoke: bool = False) -> None:
+def _time(n: int = 8192, smoke: bool = False) -> None:
     """Errors and do_bench times at length n; with `smoke`, one launch per configuration, announced before and
     after, so that a configuration that hangs can be named and left out (WS_SKIP, comma-separated names)."""
     import os
 
     import torch
-    import torch.nn.functional as F
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    import relgen
-
-    sys.path.insert(0, str(BENCHMARKS))
-    from plain_ceiling import plain_forward
-
-    b = tokens // n
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, heads, n, d, device="cuda", generator=gen).half() for _ in range(3))
-    table = (0.5 * torch.randn(heads, 2 * MAX_REL + 1, d, device="cuda", generator=gen)).half()
-    z = torch.empty(b * heads * n, ZS, device="cuda", dtype=torch.float16)
-    scale = 1 / math.sqrt(d)
+    q, k, v, table, z = overlap._problem(n)
+    b, heads, _, d = q.shape
 
     def descs(bn):
         layout = gl.NVMMASharedLayout.get_default_for([bn, d], gl.float16)
@@ -340,47 +259,26 @@ def _time(n: int = 8192, heads: int = 12, tokens: int = 16384, d: int = 64, smok
     def gluon_ws(relative, bm, bn, stages, maxnreg, kd, vd):
         o = torch.empty_like(q)
         ws_forward[(n // bm, b * heads)](
-            q, kd, vd, table, z, o, n, heads, scale * LOG2E, MAX_REL, ZS, bm, stages, relative,
+            q, kd, vd, table, z, o, n, heads, LOG2E / math.sqrt(d), MAX_REL, ZS, bm, stages, relative,
             num_warps=4, maxnreg=maxnreg,
         )  # fmt: skip
         return o
 
-    fn = relgen.compile_mechanism(relgen.load_spec(BENCHMARKS.parent / "specs" / "shaw.yaml"))
-    sdpa = ("sdpa_plain", lambda: F.scaled_dot_product_attention(q, k, v))
     skip = set(os.environ.get("WS_SKIP", "").split(","))
     ws = [
-        (_name(*cfg), functools.partial(gluon_ws, *cfg, *descs(cfg[2]))) for cfg in CONFIGS if _name(*cfg) not in skip
+        (cfg[0], _name(*cfg), functools.partial(gluon_ws, *cfg, *descs(cfg[2])))
+        for cfg in CONFIGS
+        if _name(*cfg) not in skip
     ]
     if smoke:
-        for name, f in ws:
+        for _, name, f in ws:
             print(json.dumps({"start": name}), flush=True)
             f()
             torch.cuda.synchronize()
             print(json.dumps({"done": name}), flush=True)
         return
-    plain = [sdpa, ("triton_128x64_s4", functools.partial(plain_forward, q, k, v, 128, 64, 4, 4, True, False))]
-    plain += [(name, f) for name, f in ws if name.startswith("plain")]
-    shaw = [("relgen", lambda: fn(q, k, v, aq=table)), sdpa] + [(name, f) for name, f in ws if name.startswith("shaw")]
-    ref_plain = F.scaled_dot_product_attention(q, k, v).float()
-    qf, kf, vf, af = q[0, 0].float(), k[0, 0].float(), v[0, 0].float(), table[0].float()
-    idx = torch.arange(n, device="cuda")
-    rows = (idx[:, None] - idx[None, :]).clamp(-MAX_REL, MAX_REL) + MAX_REL
-    ref_shaw = torch.softmax(((qf @ kf.T) + torch.gather(qf @ af.T, 1, rows)) * scale, -1) @ vf
-    del rows
-    last = torch.empty(b, heads, n, d, device="cuda")
-    for systems, error in ((plain, lambda o: o.float() - ref_plain), (shaw, lambda o: o[0, 0].float() - ref_shaw)):
-        for name, f in systems:
-            if name == "sdpa_plain":
-                continue
-            try:
-                o = f()
-                err = error(o).abs().max().item()
-                again = max((f().float() - o.float()).abs().max().item() for _ in range(20))  # a race shows here
-                last.copy_(o)
-            except Exception as exc:
-                err, again = f"{type(exc).__name__}: {exc}"[:300], None
-            print(json.dumps({"system": name, "max_err": err, "rerun_diff": again}), flush=True)
-        print(json.dumps({"n": n, "ms": overlap._rounds(systems)}), flush=True)
+    plain = [(name, f) for relative, name, f in ws if not relative]
+    overlap._compare(q, k, v, table, plain, [(name, f) for relative, name, f in ws if relative], reruns=20)
 
 
 if __name__ == "__main__":
