@@ -1,5 +1,5 @@
 #!/bin/bash
-# Twentieth session's device calls as they ran (five calls, 1335 s of device time; tree 4acd7e6 plus this
+# Twentieth session's device calls as they ran (six calls, 1443 s of device time; tree 4acd7e6 plus this
 # session's scripts, the table as given below). Each started:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD;
 # Call 1 (nvidia-h200): the nineteenth session's Gluon forward (cp.async ring, softmax overlapping the next QK product)
@@ -27,3 +27,9 @@ wait
 # ones read no faster in the bench: forward 0.211 ms either way, backward host-bound); merged with
 #   python -m relgen.bench --merge …_call4_attention_t5_1024.json …_call4_attention_txl_512.json \
 #       …_call5_attention_txl_1024.json --out benchmarks/results/h200
+# Call 6 (nvidia-h200, after 500c750 folded the two Gluon scripts' shared code into helpers): both scripts again, to
+# check that they still run and read what calls 1 and 3 read (they do: exact, the same times within 1-4 %)
+cd benchmarks/results/h200/sessions
+timeout 110 python3 2026-11-30_nineteenth_gluon_overlap.py --time 8192 > $OUT/overlap_8192.log
+timeout 40 python3 2026-11-30_twentieth_gluon_ws.py --smoke 8192 > $OUT/ws_smoke.log
+timeout 110 python3 2026-11-30_twentieth_gluon_ws.py --time 8192 > $OUT/ws_8192.log
