@@ -131,7 +131,8 @@ def check_close(
     allowed = tol.rel * e.abs() + tol.abs_ + tol.rel_to_max * e_max
     excess = diff / allowed
     worst = int(torch.argmax(excess))
-    elementwise_ok = bool((diff <= allowed).all())
+    over = diff > allowed  # NaN is handled above, so "not over" is "within the allowance"
+    elementwise_ok = not bool(over.any())
     l2_ok = rel_l2 <= tol.rel_l2
     ok = elementwise_ok or l2_ok
     message = (
@@ -139,7 +140,7 @@ def check_close(
         f"(limit {tol.rel_l2:.3e}, {'ok' if l2_ok else 'over'}); max |a−e| = {err_max:.3e}, "
         f"worst element uses {float(excess[worst]):.3g}× its allowance "
         f"(actual {float(a[worst]):.6g}, expected {float(e[worst]):.6g}; "
-        f"{int((diff > allowed).sum())}/{diff.numel()} over); criterion: {tol.describe()}"
+        f"{int(over.sum())}/{diff.numel()} over); criterion: {tol.describe()}"
     )
     return ok, message
 
