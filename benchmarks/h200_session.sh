@@ -4,7 +4,8 @@
 # measurements that follow run one at a time on warm caches.
 #
 #   bash benchmarks/h200_session.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
-#                                                                tests/test_features.py on the GPU's kernels)
+#                                                                tests/test_features.py, tests/test_compile.py
+#                                                                on the GPU's kernels)
 #   bash benchmarks/h200_session.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
 #                                                                (TUNE_S: seconds of tuning, default 130)
 #   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
@@ -67,7 +68,7 @@ compile_only() {  # DIR MECHANISM N SHARE SECONDS THREADS [relgen bench options]
 
 if [ "$phase" = verify ]; then
     # -v: each test's outcome is logged as it finishes, so a run cut by the timeout still names its failures
-    timeout "${VERIFY_S:-540}" python3 -m pytest -v -n 8 tests/test_gpu.py tests/test_features.py -p no:warnings \
+    timeout "${VERIFY_S:-540}" python3 -m pytest -v -n 8 tests/test_gpu.py tests/test_features.py tests/test_compile.py -p no:warnings \
         -p no:cacheprovider -rfE > "$out/gpu_tests.log" 2>&1
     echo "tests exit $?" >> "$out/gpu_tests.log"
     tail -5 "$out/gpu_tests.log"

@@ -2173,26 +2173,59 @@ def _backward(do, saved, geo, cfg):
     return dq, dk, dv, daq, dak, dbias
 
 
+# ------------------------------------------------------------------------------------------------------------
+# autograd: the two passes, run by _Attention for eager calls and by custom ops under torch.compile
+# ------------------------------------------------------------------------------------------------------------
+def _forward_pass(call, keep_projections):
+    """(O, its log-sum-exp in base 2, the projections kept for the backward or all None, the expanded tables)."""
+    geo = call.geo
+    expanded = geo.expand(call.aq, call.ak, call.bias)
+    projections = _projections(call.q, call.k, expanded, geo, geo.config)
+    o, lse2 = _forward(call.q, call.k, call.v, projections, expanded, call.kpm, geo, geo.config)
+    return o, lse2, projections if keep_projections else (None,) * 4, expanded
+
+
+def _backward_pass(do, call, o, lse2, projections, expanded=None):
+    """(dq, dk, dv, dA^Q, dA^K, db): None for a table the spec does not have. `expanded`: the forward's, or None
+    to expand the tables again (the custom ops: an op's outputs may not alias its inputs, as Ã may)."""
+    geo = call.geo
+    if expanded is None:
+        expanded = geo.expand(call.aq, call.ak, call.bias)
+    saved = (call.q, call.k, call.v, o, lse2, call.aq, call.ak, call.bias, call.kpm, projections, expanded)
+    return _backward(do.contiguous(), saved, geo, geo.config)
+
+
+def _kept_buffers(geo, device):
+    """The buffers _forward_pass keeps, unwritten: their shapes for the compiler (relgen.custom_ops)."""
+    zq = zk = zqe = zke = None
+    return zq, zk, zqe, zke
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, aq, ak, bias, kpm, geo, cfg, keep_projections):
-        expanded = geo.expand(aq, ak, bias)
-        projections = _projections(q, k, expanded, geo, cfg)
-        o, lse2 = _forward(q, k, v, projections, expanded, kpm, geo, cfg)
-        if not keep_projections:
-            projections = (None,) * 4
+    def forward(ctx, q, k, v, aq, ak, bias, kpm, geo, keep_projections):
+        o, lse2, projections, expanded = _forward_pass(_rt.Call(q, k, v, aq, ak, bias, kpm, geo), keep_projections)
         ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, *projections)
-        ctx.geo, ctx.cfg, ctx.expanded = geo, cfg, expanded
+        ctx.geo, ctx.expanded = geo, expanded
         ctx.mark_non_differentiable(lse2)
         return o, lse2
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse2, aq, ak, bias, kpm, *projections = ctx.saved_tensors
-        geo, cfg, expanded = ctx.geo, ctx.cfg, ctx.expanded
-        saved = (q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded)
-        dq, dk, dv, daq, dak, dbias = _backward(do.contiguous(), saved, geo, cfg)
-        return dq, dk, dv, daq, dak, dbias, None, None, None, None
+        call = _rt.Call(q, k, v, aq, ak, bias, kpm, ctx.geo)
+        return *_backward_pass(do, call, o, lse2, tuple(projections), ctx.expanded), None, None, None
+
+
+_compiled = _rt.register_custom_ops(
+    __name__,
+    _rt.Passes(
+        prepare=lambda *args, **options: _rt.prepare_call(PLAN, *args, **options),
+        forward=_forward_pass,
+        backward=_backward_pass,
+        buffers=_kept_buffers,
+    ),
+)
 
 
 def attention(
@@ -2216,14 +2249,7 @@ def attention(
     _ablation=None,
 ):
     """t5: softmax(τ(q·k + b_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
-    call = _rt.prepare_call(
-        PLAN,
-        q,
-        k,
-        v,
-        aq,
-        ak,
-        bias,
+    options = dict(
         key_padding_mask=key_padding_mask,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
@@ -2232,18 +2258,14 @@ def attention(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         scale=scale,
-        ablation=_ablation,
     )
+    if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.custom_ops)
+        if _ablation is not None:
+            raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")
+        o, lse2 = _compiled(q, k, v, aq, ak, bias, **options, keep_projections=not recompute_projections)
+        return _rt.finish(q, o, lse2, return_lse, packed=cu_seqlens is not None)
+    call = _rt.prepare_call(PLAN, q, k, v, aq, ak, bias, **options, ablation=_ablation)
     o, lse2 = _Attention.apply(
-        call.q,
-        call.k,
-        call.v,
-        call.aq,
-        call.ak,
-        call.bias,
-        call.kpm,
-        call.geo,
-        call.geo.config,
-        not recompute_projections,
+        call.q, call.k, call.v, call.aq, call.ak, call.bias, call.kpm, call.geo, not recompute_projections
     )
     return call.finish(o, lse2, return_lse)

@@ -12,6 +12,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from relgen.config import interpreting, overridden, select_config
 from relgen.expr import parse_expression
@@ -37,11 +38,15 @@ class Call:
     geo: Geometry
 
     def finish(self, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool):
-        if not return_lse:
-            return o
-        g = self.geo
-        lse = lse2.view(g.heads, g.total).t() if g.varlen else lse2.view(g.batch, g.heads, g.nq)
-        return o, lse * LN2
+        return finish(self.q, o, lse2, return_lse, packed=self.geo.varlen)
+
+
+def finish(q: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool, packed: bool):
+    """A call's result: o, or (o, LSE) with the kernels' base-2 log-sum-exp as [B, H, Nq] (packed: [total, H])."""
+    if not return_lse:
+        return o
+    lse = lse2.view(q.shape[1], q.shape[0]).t() if packed else lse2.view(q.shape[:3])
+    return o, lse * LN2
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -60,7 +65,12 @@ def _check_tensor(name: str, t: Any, rank: int, expected: Callable[[], str]) -> 
     raise ValueError(f"{name}: expected shape {expected()} (rank {rank}), got {_shape(t)}")
 
 
-def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (CUDA graphs; torch.compile's mode='reduce-overhead')."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -159,6 +169,8 @@ def check_call(
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+    # the kernels are compiled per head dimension: a symbolic one (torch.compile, dynamic shapes) is specialised
+    d = int(d)
     length = max(q_offset + nq, k_offset + nk)
     rows = plan.rows_at(length)
 
@@ -219,9 +231,9 @@ def check_call(
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
     )
     return Call(
-        _lastdim_contiguous(q),
-        _lastdim_contiguous(k),
-        _lastdim_contiguous(v),
+        lastdim_contiguous(q),
+        lastdim_contiguous(k),
+        lastdim_contiguous(v),
         *checked,
         kpm,
         geo,
@@ -299,11 +311,18 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] of sequence starts, got {got}")
     if cu.device != q.device:
         raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
-    starts = cu.tolist()
     total = q.shape[0]
-    if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
-        raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
-    longest = max(b - a for a, b in itertools.pairwise(starts))
+    if is_fake(cu) or capturing():
+        # the values cannot be read: torch.compile traces on shape-only tensors, and a CUDA graph being captured
+        # cannot wait for a copy to the host (the values a replay reads are never seen by the host anyway)
+        if max_seqlen is None:
+            raise ValueError("max_seqlen: required with cu_seqlens under torch.compile, expected an int")
+        longest = 1
+    else:
+        starts = cu.tolist()
+        if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
+            raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
+        longest = max(b - a for a, b in itertools.pairwise(starts))
     if max_seqlen is None:
         max_seqlen = longest
     elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
@@ -312,7 +331,7 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
     if q_offset or k_offset:
         raise ValueError("q_offset: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
-    return Packed(len(starts) - 1, total, max(max_seqlen, 1), cu.contiguous())
+    return Packed(cu.shape[0] - 1, total, max(max_seqlen, 1), cu.contiguous())
 
 
 @functools.lru_cache(maxsize=256)

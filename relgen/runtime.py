@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from relgen.analyze import Plan, analyze
-from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, prepare_call
+from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call
 from relgen.config import (
     INTERPRETER_CONFIG,
     AttnTiles,
@@ -36,6 +36,8 @@ from relgen.config import (
     select_config,
     table_chunks,
 )
+from relgen.custom_ops import Passes
+from relgen.custom_ops import register as register_custom_ops
 from relgen.descriptors import kv_descriptors
 from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
 from relgen.launch import Launcher
@@ -53,6 +55,7 @@ __all__ = [
     "KernelConfig",
     "Launcher",
     "Mechanism",
+    "Passes",
     "PlanInfo",
     "ProjectTiles",
     "ReduceTiles",
@@ -60,11 +63,13 @@ __all__ = [
     "column_splits",
     "compile_mechanism",
     "default_config",
+    "finish",
     "interpreting",
     "kv_descriptors",
     "load_module",
     "override_config",
     "prepare_call",
+    "register_custom_ops",
     "select_config",
     "table_chunks",
 ]

@@ -1,0 +1,97 @@
+"""relgen called eagerly against the same call inside torch.compile (its custom ops, relgen.custom_ops), with and
+without CUDA graphs, on the benchmark's problem (16K tokens, H = 12, d = 64, fp16).
+
+At N ≤ 1K an eager call is host-bound on the H200 (NOTES.md, seventeenth session: the host takes as long as the
+kernels); under torch.compile(mode="reduce-overhead") the calls are captured once into a CUDA graph and replayed
+with no host work per kernel, which is what such lengths need. Times are triton.testing.do_bench medians (L2
+flushed) of the forward alone and of a step (forward, then every gradient), one process per (spec, N), systems in
+alternating order, every compiled result checked bit for bit against the eager call first.
+
+    python benchmarks/compiled_calls.py --specs t5,shaw --seq-lens 128,256,512,1024 [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_kernels import inputs
+
+MODES = {"eager": None, "compile": "default", "compile_cudagraphs": "reduce-overhead"}
+
+
+def measure(spec: str, n: int, rounds: int) -> list[dict]:
+    fn, qkv, tables = inputs(spec, n)
+    leaves = [*qkv, *tables.values()]
+    do = torch.randn_like(qkv[0])
+    calls = {
+        name: fn if mode is None else torch.compile(lambda *a, **kw: fn(*a, **kw), mode=mode, fullgraph=True)
+        for name, mode in MODES.items()
+    }
+
+    def forward(call):
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()
+            return call(*qkv, **tables)
+
+        return run
+
+    def step(call):
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()
+            return torch.autograd.grad(call(*qkv, **tables), leaves, do)
+
+        return run
+
+    want = step(fn)()
+    for name, call in calls.items():  # compiles, captures; then the result must be the eager one
+        for _ in range(3):
+            got = step(call)()
+        exact = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert exact, f"{spec} N={n}: {name} differs from the eager call"
+    records = []
+    for r in range(rounds):
+        order = list(calls) if r % 2 == 0 else list(reversed(calls))
+        for name in order:
+            for kind, make in (("fwd", forward), ("step", step)):
+                ms = triton.testing.do_bench(make(calls[name]), warmup=25, rep=200)
+                records.append({"mechanism": spec, "seq_len": n, "system": name, "pass": kind, "ms": ms, "round": r})
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specs", default="t5,shaw,txl,deberta_v3")
+    parser.add_argument("--seq-lens", default="128,256,512,1024,4096")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", help="(internal) spec:N measured in this process")
+    args = parser.parse_args()
+    if args.one:
+        spec, n = args.one.split(":")
+        for record in measure(spec, int(n), args.rounds):
+            print(json.dumps(record), flush=True)
+        return
+    for spec in args.specs.split(","):
+        for n in map(int, args.seq_lens.split(",")):
+            cmd = [sys.executable, __file__, "--one", f"{spec}:{n}", "--rounds", str(args.rounds)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+            if run.returncode != 0:
+                lines.append(json.dumps({"mechanism": spec, "seq_len": n, "error": run.stderr[-2000:]}))
+            for line in lines:
+                print(line, flush=True)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+#!/bin/bash
+# Twenty-first session, one nvidia-h200-x2 call: GPU 0 runs the GPU suite (tests/test_gpu.py, test_features.py and
+# the new test_compile.py: inductor and CUDA graphs bit for bit against eager calls); GPU 1 times relgen eagerly
+# against the same calls under torch.compile, with and without CUDA graphs (benchmarks/compiled_calls.py). Each job
+# pinned to half the cores. Started after the usual pydantic prefix, with OUT set by the device tool.
+set -u
+(export CUDA_VISIBLE_DEVICES=0; VERIFY_S=${VERIFY_S:-540} taskset -c 0-15 \
+    bash benchmarks/h200_session.sh verify "$OUT/verify" > "$OUT/verify.out" 2>&1) &
+(export CUDA_VISIBLE_DEVICES=1; timeout "${BENCH_S:-540}" taskset -c 16-31 \
+    python3 benchmarks/compiled_calls.py --specs "${SPECS:-t5,shaw}" --seq-lens "${LENS:-128,512,1024,4096}" \
+    --out "$OUT/compiled_calls.jsonl" > "$OUT/compiled_calls.log" 2>&1) &
+wait
+tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl"; grep -h error "$OUT/compiled_calls.jsonl" | cut -c1-600

@@ -1,0 +1,167 @@
+"""torch.compile support: a generated module's two passes as torch.library custom ops.
+
+TorchDynamo cannot trace the host code that launches relgen's kernels (relgen.launch keeps compiled kernels and
+calls their launchers directly; under the interpreter the kernels themselves are Python). A custom op is opaque
+to the compiler: it learns the outputs' shapes from a *fake* implementation, which runs the same argument checks
+(relgen.arguments) and allocates the same buffers on shape-only tensors, and the compiled graph calls the real
+kernels at run time. Both ops run the generated module's own forward and backward passes (`Passes`), so a
+compiled call computes bit for bit what an eager one does.
+
+Eager calls do not go through these ops: the dispatcher adds ~10 µs per op, and at N ≤ 1K a call is host-bound
+(benchmarks/results/h200/NOTES.md). They take the module's autograd.Function, which runs the same passes.
+
+Under torch.compile:
+- dropout needs an explicit `dropout_seed` (a seed drawn inside the compiled graph would reach the backward only
+  through a host synchronisation, and a CUDA graph would replay it);
+- packed sequences need `max_seqlen` (the longest sequence cannot be read off the device while tracing);
+- the ablation switches (`relgen bench --ablation`) are eager-only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relgen.arguments import Call, capturing, lastdim_contiguous
+
+#: the op namespace: torch.ops.relgen.<module>_forward / _backward
+NAMESPACE = "relgen"
+
+#: (o, lse2, Z̃^Q, Z̃^K and their end columns) — what the forward keeps for the backward
+Projections = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The host functions of one generated module that the ops run."""
+
+    #: relgen.arguments.prepare_call with the module's plan: (q, k, v, aq, ak, bias, **options) → Call
+    prepare: Callable[..., Call]
+    #: (call, keep_projections) → (o, lse2, projections or all None when not kept, expanded tables)
+    forward: Callable[[Call, bool], tuple[torch.Tensor, torch.Tensor, Projections, Any]]
+    #: (dO, call, o, lse2, projections or all None to recompute them) → (dq, dk, dv, daq, dak, dbias)
+    backward: Callable[..., tuple[torch.Tensor | None, ...]]
+    #: (geometry, device) → the kept projections' buffers, unwritten (their shapes, for the fake forward)
+    buffers: Callable[[Any, torch.device], Projections]
+
+
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    """A missing projection (the spec has no such side, or the backward recomputes it): an op cannot return None."""
+    return like.new_empty(0)
+
+
+def _present(projections: list[torch.Tensor]) -> Projections:
+    return tuple(p if p.numel() > 0 else None for p in projections)  # type: ignore[return-value]
+
+
+def _kept(projections: Projections, like: torch.Tensor) -> list[torch.Tensor]:
+    return [p if p is not None else _absent(like) for p in projections]
+
+
+#: the call's options after its tensors, as both ops take them
+_OPTIONS = "SymInt? max_seqlen, SymInt q_offset, SymInt k_offset, float dropout_p, SymInt seed, float? scale"
+#: (o, lse2, [Z̃^Q, Z̃^K, their end columns; empty where absent]) — lse2 and the projections feed the backward
+FORWARD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? aq, Tensor? ak, Tensor? bias, Tensor? kpm, Tensor? cu_seqlens, "
+    f"{_OPTIONS}, bool keep_projections) -> (Tensor, Tensor, Tensor[])"
+)
+#: [dq, dk, dv, then the gradient of each table the call passed, in the order aq, ak, bias]
+BACKWARD_SCHEMA = (
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse2, Tensor[] projections, Tensor? aq, "
+    f"Tensor? ak, Tensor? bias, Tensor? kpm, Tensor? cu_seqlens, {_OPTIONS}) -> Tensor[]"
+)
+
+_REGISTERED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Define (once per module name) the module's forward and backward ops and the autograd formula that joins
+    them; returns `apply(q, k, v, aq, ak, bias, **options) → (o, lse2)`, a differentiable call of the forward op."""
+    stem = re.sub(r"\W", "_", module_name)
+    if stem in _REGISTERED:  # the same module imported again: same source (its name holds the source's hash)
+        return _REGISTERED[stem]
+
+    def prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale):
+        return passes.prepare(
+            q, k, v, aq, ak, bias, key_padding_mask=kpm, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, dropout_seed=seed if dropout_p else None,
+            scale=scale,
+        )  # fmt: skip
+
+    @torch.library.custom_op(f"{NAMESPACE}::{stem}_forward", mutates_args=(), schema=FORWARD_SCHEMA)
+    def forward(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale,
+                keep_projections):  # fmt: skip
+        if dropout_p and capturing():
+            raise NotImplementedError(
+                "dropout_p: dropout inside a CUDA graph (torch.compile mode='reduce-overhead') would replay the "
+                "captured seed at every step; compile without CUDA graphs (mode='max-autotune-no-cudagraphs')"
+            )
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        o, lse2, projections, _ = passes.forward(call, keep_projections)
+        return o, lse2, _kept(projections, lse2)
+
+    @forward.register_fake
+    def _(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale, keep):
+        # the real op's checks and allocations, on sizes that may be symbolic (torch.compile's dynamic shapes:
+        # choosing the length bucket's tiles guards the graph on that bucket)
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        o = torch.empty_like(call.q)
+        lse2 = torch.empty(call.geo.token_rows(True), device=q.device, dtype=torch.float32)
+        projections = passes.buffers(call.geo, q.device) if keep else (None,) * 4
+        return o, lse2, _kept(projections, lse2)
+
+    @torch.library.custom_op(f"{NAMESPACE}::{stem}_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+    def backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
+                 dropout_p, seed, scale):  # fmt: skip
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        dq, dk, dv, *dtables = passes.backward(do, call, o, lse2, _present(projections))
+        tables = (call.aq, call.ak, call.bias)
+        assert all((g is None) == (t is None) for g, t in zip(dtables, tables, strict=True)), "a table's gradient"
+        return [dq, dk, dv, *(g for g in dtables if g is not None)]
+
+    @backward.register_fake
+    def _(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
+          dropout_p, seed, scale):  # fmt: skip
+        tables = [torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (aq, ak, bias) if t is not None]
+        return [torch.empty_like(lastdim_contiguous(x)) for x in (q, k, v)] + tables
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, aq, ak, bias, kpm, cu_seqlens, *scalars, _keep = inputs
+        o, lse2, projections = output
+        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, *projections)
+        ctx.scalars = scalars  # max_seqlen, q_offset, k_offset, dropout_p, seed, scale
+        ctx.mark_non_differentiable(lse2, *projections)
+
+    def backward_formula(ctx, do, _dlse, _dprojections):
+        q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, *projections = ctx.saved_tensors
+        grads = iter(backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, *ctx.scalars))
+        dq, dk, dv = next(grads), next(grads), next(grads)
+        dtables = [next(grads) if t is not None else None for t in (aq, ak, bias)]
+        return dq, dk, dv, *dtables, None, None, None, None, None, None, None, None, None
+
+    forward.register_autograd(backward_formula, setup_context=setup_context)
+
+    def apply(q, k, v, aq, ak, bias, *, key_padding_mask, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p,
+              dropout_seed, scale, keep_projections):  # fmt: skip
+        if dropout_p and dropout_seed is None:
+            raise NotImplementedError(
+                "dropout_seed: required with dropout_p > 0 under torch.compile (a seed drawn inside the compiled "
+                "graph would be drawn once); pass a new int per step"
+            )
+        if cu_seqlens is not None and max_seqlen is None:
+            raise ValueError(
+                "max_seqlen: required with cu_seqlens under torch.compile (the longest sequence cannot be read "
+                "from the device while tracing), expected an int ≥ the longest sequence"
+            )
+        o, lse2, _ = forward(
+            q, k, v, aq, ak, bias, key_padding_mask, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p,
+            dropout_seed or 0, scale, keep_projections,
+        )  # fmt: skip
+        return o, lse2
+
+    _REGISTERED[stem] = apply
+    return apply

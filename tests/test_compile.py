@@ -1,0 +1,200 @@
+"""relgen inside torch.compile: calls become two custom ops (relgen.custom_ops) that run the same kernels as an
+eager call, so a compiled call must give the same bits, output and every gradient, with no graph break."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import SPECS, make_inputs
+from torch._dynamo.backends.debugging import aot_eager
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import relgen
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(name):
+    return relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: a test must not pass on a graph that an earlier one left in the cache."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Recording:
+    """A torch.compile backend that keeps the graphs Dynamo hands it, then compiles them as `backend` does."""
+
+    def __init__(self, backend=aot_eager):
+        self.backend = backend
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self.backend(gm, example_inputs)
+
+    def relgen_ops(self) -> list[str]:
+        return [str(n.target) for g in self.graphs for n in g.graph.nodes if str(n.target).startswith("relgen.")]
+
+
+def _leaves(inputs):
+    return [inputs.q, inputs.k, inputs.v, *inputs.tables.values()]
+
+
+def _run(fn, inputs, options, seed=5):
+    """(outputs, gradients of every leaf for a fixed random dO)."""
+    out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    do = torch.randn(outs[0].shape, generator=g).to(outs[0])
+    grads = torch.autograd.grad(outs[0], _leaves(inputs), do)
+    return [o.detach() for o in outs], list(grads)
+
+
+def assert_same_bits(spec_name, inputs, backend=None, **options):
+    """The compiled call (one graph, holding relgen's forward op) equals the eager call bit for bit."""
+    fn = relgen.compile_mechanism(load(spec_name))
+    recording = backend or Recording()
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=recording, fullgraph=True)
+    want = _run(fn, inputs, options)
+    got = _run(compiled, inputs, options)
+    assert len(recording.graphs) == 1, "one graph (fullgraph) per call"
+    assert any(op.endswith("_forward.default") for op in recording.relgen_ops()), recording.relgen_ops()
+    names = [*["out", "lse"][: len(want[0])], "dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)]
+    for name, a, b in zip(names, [*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), f"{spec_name}: {name} differs from the eager call (max {(a - b).abs().max()})"
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_compiled_call_gives_the_eager_bits(name):
+    inputs = make_inputs(load(name), b=2, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=3)
+    assert_same_bits(name, inputs)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("shaw", {"key_padding_mask": "ragged"}),
+        ("txl", {"q_offset": 9, "k_offset": 2}),
+        ("t5_decoder", {"return_lse": True}),
+        ("deberta_v3", {"recompute_projections": True}),
+        ("t5", {"dropout_p": 0.2, "dropout_seed": 1234}),
+        ("wav2vec2_bert", {"scale": 0.3}),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "-".join(x),
+)
+def test_compiled_call_options(name, options):
+    inputs = make_inputs(load(name), b=2, h=2, nq=33, nk=33, d=16, device=DEVICE, seed=4, length=42)
+    if options.get("key_padding_mask") == "ragged":
+        mask = torch.ones(2, 33, dtype=torch.bool, device=DEVICE)
+        mask[1, 17:] = False
+        options = {**options, "key_padding_mask": mask}
+    assert_same_bits(name, inputs, **options)
+
+
+@pytest.mark.parametrize("name", ["txl", "deberta_v3"])
+def test_compiled_packed_sequences(name):
+    spec = load(name)
+    lengths = [5, 33, 1, 20]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    base = make_inputs(spec, b=1, h=2, nq=max(lengths), d=16, device=DEVICE, seed=6)
+    g = torch.Generator().manual_seed(2)
+    packed = [torch.randn(sum(lengths), 2, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3)]
+    inputs = type(base)(*packed, base.tables)
+    assert_same_bits(name, inputs, cu_seqlens=cu, max_seqlen=max(lengths), return_lse=True)
+
+
+def test_dynamic_lengths_share_one_graph_per_bucket():
+    """Symbolic lengths (dynamic=True): the fake forward picks the tiles of the length's bucket, which guards the
+    graph on that bucket; lengths of one bucket reuse it, and every call matches the eager one."""
+    fn = relgen.compile_mechanism(load("shaw"))
+    recording = Recording()
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=recording, fullgraph=True, dynamic=True)
+    graphs = []
+    for n in (40, 47, 52):  # one length bucket (64)
+        inputs = make_inputs(load("shaw"), b=1, h=2, nq=n, d=16, device=DEVICE, seed=n)
+        want, got = _run(fn, inputs, {}), _run(compiled, inputs, {})
+        for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+            assert torch.equal(a, b), n
+        graphs.append(len(recording.graphs))
+    # (the first length may take two graphs: Dynamo first traces the float default dropout_p as an input)
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"q_offset": -1}, "q_offset: expected a non-negative int"),
+        ({"aq": "wrong rows"}, r"aq: expected shape \[2, 513, 16\]"),
+        ({"dropout_p": 0.1}, "dropout_seed: required with dropout_p > 0 under torch.compile"),
+        ({"cu_seqlens": "packed"}, "max_seqlen: required with cu_seqlens under torch.compile"),
+    ],
+    ids=["offset", "table", "dropout-seed", "max-seqlen"],
+)
+def test_bad_calls_under_compile_name_the_argument(options, message):
+    spec = load("shaw")
+    inputs = make_inputs(spec, b=1, h=2, nq=24, d=16, device=DEVICE)
+    q, k, v, aq = inputs.q, inputs.k, inputs.v, inputs.tables["aq"]
+    if options.get("aq") == "wrong rows":
+        options = {**options, "aq": torch.randn(2, 500, 16, device=DEVICE)}
+    if options.get("cu_seqlens") == "packed":
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+        options = {**options, "cu_seqlens": torch.tensor([0, 10, 24], dtype=torch.int32, device=DEVICE)}
+    options = {"aq": aq, **options}
+    fn = relgen.compile_mechanism(spec)
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=aot_eager, fullgraph=True)
+    with pytest.raises(Exception, match=message):
+        compiled(q, k, v, **options)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_do_not_go_through_the_custom_ops():
+    """The dispatcher's cost per op is host time a short eager call cannot spare: eager calls keep the
+    autograd.Function."""
+    spec = load("shaw")
+    inputs = make_inputs(spec, b=1, h=2, nq=24, d=16, device=DEVICE)
+    fn = relgen.compile_mechanism(spec)
+    with _Ops() as ops:
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+        out.sum().backward()
+    assert ops.names and not [n for n in ops.names if n.startswith("relgen.")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("name", ["shaw", "txl", "deberta_v3", "t5"])
+def test_inductor_and_cuda_graphs_give_the_eager_bits(name, mode):
+    """Inductor (fp16, N = 1000), and its CUDA graphs (mode='reduce-overhead': the calls are captured once, then
+    replayed with no host work): three steps (warm-up, capture, replay) each equal the eager call bit for bit, and
+    no graph is left out of the CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    fn = relgen.compile_mechanism(load(name))
+    inputs = make_inputs(load(name), b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), mode=mode, fullgraph=True)
+    want = _run(fn, inputs, {})
+    counters.clear()
+    for step in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        outs, grads = _run(compiled, inputs, {})
+        for a, b in zip([*outs, *grads], [*want[0], *want[1]], strict=True):
+            assert torch.equal(a.clone(), b), f"{name} {mode} step {step}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
