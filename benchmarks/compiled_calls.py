@@ -3,11 +3,15 @@ without CUDA graphs, on the benchmark's problem (16K tokens, H = 12, d = 64, fp1
 
 At N ≤ 1K an eager call is host-bound on the H200 (NOTES.md, seventeenth session: the host takes as long as the
 kernels); under torch.compile(mode="reduce-overhead") the calls are captured once into a CUDA graph and replayed
-with no host work per kernel, which is what such lengths need. Times are triton.testing.do_bench medians (L2
-flushed) of the forward alone and of a step (forward, then every gradient), one process per (spec, N), systems in
-alternating order, every compiled result checked bit for bit against the eager call first.
+with no host work per kernel, which is what such lengths need. The inputs are marked static, as activations
+computed inside a model's graph are (a graph input is copied into the CUDA graph's own buffer at every replay:
++50–60 µs per forward at 16K tokens in the first run, sessions/2026-11-30_twentyfirst_call1_*). Times are
+triton.testing.do_bench medians (L2 flushed) of the forward alone and of a step (forward, then every gradient),
+one process per (spec, N), systems in alternating order, every compiled result checked bit for bit against the
+eager call first.
 
     python benchmarks/compiled_calls.py --specs t5,shaw --seq-lens 128,256,512,1024 [--out FILE.jsonl]
+    python benchmarks/compiled_calls.py --report FILE.jsonl [FILE.jsonl ...] > compiled_calls.md
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ MODES = {"eager": None, "compile": "default", "compile_cudagraphs": "reduce-over
 def measure(spec: str, n: int, rounds: int) -> list[dict]:
     fn, qkv, tables = inputs(spec, n)
     leaves = [*qkv, *tables.values()]
+    for t in leaves:  # as activations made inside a model's graph: CUDA graphs would otherwise copy each input
+        torch._dynamo.mark_static_address(t)  # into their own buffer at every replay (~50 µs at 16K tokens)
     do = torch.randn_like(qkv[0])
     calls = {
         name: fn if mode is None else torch.compile(lambda *a, **kw: fn(*a, **kw), mode=mode, fullgraph=True)
@@ -66,6 +72,27 @@ def measure(spec: str, n: int, rounds: int) -> list[dict]:
     return records
 
 
+def report(paths: list[Path]) -> str:
+    """The records as a Markdown table: ms per call (each round's median, rounds joined by /)."""
+    times: dict[tuple, list[float]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if "ms" in r:
+                times.setdefault((r["mechanism"], r["seq_len"], r["pass"], r["system"]), []).append(r["ms"])
+    cases = sorted({key[:3] for key in times}, key=lambda c: (c[0], c[1], c[2] != "fwd"))
+    lines = [
+        "| mechanism | N | pass | " + " | ".join(MODES) + " | eager / CUDA graphs |",
+        "|---|---|---|" + "---|" * (len(MODES) + 1),
+    ]
+    for case in cases:
+        cells = ["/".join(f"{ms:.3f}" for ms in times.get((*case, system), [])) for system in MODES]
+        eager, graphs = times.get((*case, "eager")), times.get((*case, "compile_cudagraphs"))
+        ratio = f"{min(eager) / min(graphs):.2f}×" if eager and graphs else ""
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", default="t5,shaw,txl,deberta_v3")
@@ -73,7 +100,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--one", help="(internal) spec:N measured in this process")
+    parser.add_argument("--report", type=Path, nargs="+", help="print these records as a Markdown table")
     args = parser.parse_args()
+    if args.report:
+        print(report(args.report))
+        return
     if args.one:
         spec, n = args.one.split(":")
         for record in measure(spec, int(n), args.rounds):

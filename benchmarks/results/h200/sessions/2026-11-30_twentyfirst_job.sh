@@ -11,3 +11,9 @@ set -u
     --out "$OUT/compiled_calls.jsonl" > "$OUT/compiled_calls.log" 2>&1) &
 wait
 tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl"; grep -h error "$OUT/compiled_calls.jsonl" | cut -c1-600
+# Call 2 (nvidia-h200-x2, compiled_calls.py with the inputs marked static): the benchmark alone, one share per GPU
+#   (export CUDA_VISIBLE_DEVICES=0; timeout 540 taskset -c 0-15 python3 benchmarks/compiled_calls.py \
+#       --specs t5,shaw --seq-lens 128,512,1024,4096 --out $OUT/compiled_calls_0.jsonl > $OUT/cc0.log 2>&1) &
+#   (export CUDA_VISIBLE_DEVICES=1; timeout 540 taskset -c 16-31 python3 benchmarks/compiled_calls.py \
+#       --specs txl,deberta_v3 --seq-lens 128,512,1024,4096 --out $OUT/compiled_calls_1.jsonl > $OUT/cc1.log 2>&1) &
+#   wait
