@@ -2390,10 +2390,11 @@ def _kept_buffers(geo, device):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, aq, ak, bias, kpm, geo, keep_projections):
-        o, lse2, projections, expanded = _forward_pass(_rt.Call(q, k, v, aq, ak, bias, kpm, geo), keep_projections)
-        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, *projections)
-        ctx.geo, ctx.expanded = geo, expanded
+    def forward(ctx, q, k, v, aq, ak, bias, call, keep_projections):
+        """q … bias: call's tensors, passed apart so that autograd sees them."""
+        o, lse2, projections, expanded = _forward_pass(call, keep_projections)
+        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, call.kpm, *projections)
+        ctx.geo, ctx.expanded = call.geo, expanded
         ctx.mark_non_differentiable(lse2)
         return o, lse2
 
@@ -2401,7 +2402,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse2, aq, ak, bias, kpm, *projections = ctx.saved_tensors
         call = _rt.Call(q, k, v, aq, ak, bias, kpm, ctx.geo)
-        return *_backward_pass(do, call, o, lse2, tuple(projections), ctx.expanded), None, None, None
+        return *_backward_pass(do, call, o, lse2, tuple(projections), ctx.expanded), None, None
 
 
 _compiled = _rt.register_custom_ops(
@@ -2436,7 +2437,35 @@ def attention(
     _ablation=None,
 ):
     """wav2vec2_bert: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
-    options = dict(
+    if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.custom_ops)
+        if _ablation is not None:
+            raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")
+        o, lse2 = _compiled(
+            q,
+            k,
+            v,
+            aq,
+            ak,
+            bias,
+            key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            q_offset=q_offset,
+            k_offset=k_offset,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            scale=scale,
+            keep_projections=not recompute_projections,
+        )
+        return _rt.finish(q, o, lse2, return_lse, packed=cu_seqlens is not None)
+    call = _rt.prepare_call(
+        PLAN,
+        q,
+        k,
+        v,
+        aq,
+        ak,
+        bias,
         key_padding_mask=key_padding_mask,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
@@ -2445,14 +2474,7 @@ def attention(
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         scale=scale,
+        ablation=_ablation,
     )
-    if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.custom_ops)
-        if _ablation is not None:
-            raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")
-        o, lse2 = _compiled(q, k, v, aq, ak, bias, **options, keep_projections=not recompute_projections)
-        return _rt.finish(q, o, lse2, return_lse, packed=cu_seqlens is not None)
-    call = _rt.prepare_call(PLAN, q, k, v, aq, ak, bias, **options, ablation=_ablation)
-    o, lse2 = _Attention.apply(
-        call.q, call.k, call.v, call.aq, call.ak, call.bias, call.kpm, call.geo, not recompute_projections
-    )
+    o, lse2 = _Attention.apply(call.q, call.k, call.v, call.aq, call.ak, call.bias, call, not recompute_projections)
     return call.finish(o, lse2, return_lse)

@@ -21,6 +21,9 @@ from relgen.geometry import Geometry, PlanInfo
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LN2 = 0.6931471805599453
+#: integer options: under torch.compile an int that changes between calls (a KV cache's offset, a per-step seed)
+#: reaches the fake forward as a SymInt
+INT = (int, torch.SymInt)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -155,7 +158,7 @@ def check_call(
     max_seqlen. Tables: aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines
     it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed)."""
     for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+        if not isinstance(off, INT) or isinstance(off, bool) or off < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
     packed = None
     if cu_seqlens is not None or max_seqlen is not None:
@@ -199,7 +202,7 @@ def check_call(
         raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     if dropout_seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    elif isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
+    elif isinstance(dropout_seed, INT) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
         seed = dropout_seed
     else:
         raise ValueError(f"dropout_seed: expected None or a non-negative int, got {dropout_seed!r}")
@@ -316,7 +319,9 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         # the values cannot be read: torch.compile traces on shape-only tensors, and a CUDA graph being captured
         # cannot wait for a copy to the host (the values a replay reads are never seen by the host anyway)
         if max_seqlen is None:
-            raise ValueError("max_seqlen: required with cu_seqlens under torch.compile, expected an int")
+            raise ValueError(
+                "max_seqlen: required with cu_seqlens under torch.compile or CUDA graph capture, expected an int"
+            )
         longest = 1
     else:
         starts = cu.tolist()
@@ -325,7 +330,7 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         longest = max(b - a for a, b in itertools.pairwise(starts))
     if max_seqlen is None:
         max_seqlen = longest
-    elif not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
+    elif not isinstance(max_seqlen, INT) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
         raise ValueError(f"max_seqlen: expected an int ≥ the longest sequence ({longest}), got {max_seqlen!r}")
     if key_padding_mask is not None:
         raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")

@@ -31,7 +31,7 @@ from relgen.arguments import Call, capturing, lastdim_contiguous
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
 
-#: (o, lse2, Z̃^Q, Z̃^K and their end columns) — what the forward keeps for the backward
+#: (Z̃^Q, Z̃^K, Z̃^Q's end columns, Z̃^K's end columns), None where absent — what the forward keeps for the backward
 Projections = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -149,8 +149,9 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
               dropout_seed, scale, keep_projections):  # fmt: skip
         if dropout_p and dropout_seed is None:
             raise NotImplementedError(
-                "dropout_seed: required with dropout_p > 0 under torch.compile (a seed drawn inside the compiled "
-                "graph would be drawn once); pass a new int per step"
+                "dropout_seed: required with dropout_p > 0 under torch.compile (the backward needs the forward's "
+                "seed, which a seed drawn inside the graph could reach only through a host synchronisation); pass "
+                "a new int per step"
             )
         if cu_seqlens is not None and max_seqlen is None:
             raise ValueError(

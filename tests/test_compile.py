@@ -130,6 +130,28 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
 
 
 @pytest.mark.parametrize(
+    ("name", "option", "values"),
+    [("t5", "dropout_seed", (1, 2, 3, 4)), ("txl", "q_offset", (3, 5, 9, 12))],
+    ids=["per-step-seed", "kv-cache-offset"],
+)
+def test_an_int_that_changes_per_call_becomes_symbolic(name, option, values):
+    """A per-step dropout seed, a KV cache's growing offset: Dynamo recompiles once with the int symbolic (the
+    fake forward accepts a SymInt), and every call still equals the eager one."""
+    spec = load(name)
+    fn = relgen.compile_mechanism(spec)
+    recording = Recording()
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=recording, fullgraph=True)
+    for value in values:
+        options = {option: value, **({"dropout_p": 0.3} if option == "dropout_seed" else {})}
+        nq, nk = (1, 20) if option == "q_offset" else (24, 24)
+        inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, length=max(nq + value, nk))
+        want, got = _run(fn, inputs, options), _run(compiled, inputs, options)
+        for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+            assert torch.equal(a, b), (option, value)
+    assert len(recording.graphs) == 2
+
+
+@pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"q_offset": -1}, "q_offset: expected a non-negative int"),
