@@ -17,3 +17,5 @@ tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl";
 #   (export CUDA_VISIBLE_DEVICES=1; timeout 540 taskset -c 16-31 python3 benchmarks/compiled_calls.py \
 #       --specs txl,deberta_v3 --seq-lens 128,512,1024,4096 --out $OUT/compiled_calls_1.jsonl > $OUT/cc1.log 2>&1) &
 #   wait
+# Call 3 (nvidia-h200, tree 6e0e51d): the GPU suite again after the SymInt options and the trimmed eager glue
+#   VERIFY_S=540 bash benchmarks/h200_session.sh verify $OUT     (256 passed)
