@@ -201,6 +201,11 @@ def check_call(
     if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
     if dropout_seed is None:
+        if dropout_p > 0 and capturing():
+            raise NotImplementedError(
+                "dropout_seed: required with dropout_p > 0 under CUDA graph capture (a seed drawn now would be "
+                "replayed at every step); pass the seed, and capture one graph per seed"
+            )
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     elif isinstance(dropout_seed, INT) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
         seed = dropout_seed

@@ -220,3 +220,40 @@ def test_inductor_and_cuda_graphs_give_the_eager_bits(name, mode):
         for a, b in zip([*outs, *grads], [*want[0], *want[1]], strict=True):
             assert torch.equal(a.clone(), b), f"{name} {mode} step {step}"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["shaw", "t5"])
+def test_eager_calls_replay_from_a_captured_cuda_graph(name):
+    """torch.cuda.graph around eager calls (forward and backward): a replay computes what an eager call computes on
+    the inputs the static tensors hold at replay time; dropout without a seed is refused during capture."""
+    spec = load(name)
+    fn = relgen.compile_mechanism(spec)
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
+    leaves = _leaves(inputs)
+    do = torch.randn_like(inputs.q)
+
+    def step():
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles the kernels, builds the plan's device constants)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (8, 9):  # the captured inputs, then new values in the same tensors
+        fresh = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=seed)
+        with torch.no_grad():
+            for t, new in zip(leaves, _leaves(fresh), strict=True):
+                t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, step(), strict=True):
+            assert torch.equal(a, b), seed
+    with pytest.raises(NotImplementedError, match="dropout_seed: required"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1)
