@@ -19,3 +19,6 @@ tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl";
 #   wait
 # Call 3 (nvidia-h200, tree 6e0e51d): the GPU suite again after the SymInt options and the trimmed eager glue
 #   VERIFY_S=540 bash benchmarks/h200_session.sh verify $OUT     (256 passed)
+# Call 4 (nvidia-h200, tree of the commit after 5216baa): test_compile.py and test_features.py on the GPU
+#   timeout 500 python3 -m pytest -v -n 8 tests/test_compile.py tests/test_features.py -p no:warnings -rfE \
+#       > $OUT/gpu_tests.log 2>&1
