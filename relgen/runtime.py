@@ -130,17 +130,13 @@ class Mechanism:
         self.spec = spec
         self.plan = analyze(spec)
         self.module = load_module(self.plan)
-        self._wider: dict[int, ModuleType] = {}
         self._variants: dict[tuple, ModuleType] = {}
 
     def module_for(self, window: int) -> ModuleType:
         limit = self.module.PLAN.valid_up_to
         if limit is None or window <= limit:
             return self.module
-        n = 1 << (window - 1).bit_length()
-        if n not in self._wider:
-            self._wider[n] = load_module(analyze(self.spec, n))
-        return self._wider[n]
+        return _WIDER[_load_wider(self.spec, self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
 
     def __call__(self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, **options: Any):
         window = 1
@@ -200,6 +196,20 @@ class Mechanism:
 
     def __repr__(self) -> str:
         return f"<relgen mechanism {self.plan.summary()}>"
+
+
+#: modules planned for longer windows than their spec's analysis proved, by (spec hash, window)
+_WIDER: dict[tuple[str, int], ModuleType] = {}
+
+
+@torch.compiler.assume_constant_result
+def _load_wider(spec: MechanismSpec, spec_hash: str, n: int) -> tuple[str, int]:
+    """Load (once) the module of `spec` planned for windows up to n; returns its key in _WIDER. Under torch.compile
+    this runs while tracing, as a constant (rendering and importing a module cannot be traced)."""
+    key = (spec_hash, n)
+    if key not in _WIDER:
+        _WIDER[key] = load_module(analyze(spec, n))
+    return key
 
 
 _MECHANISMS: dict[str, Mechanism] = {}

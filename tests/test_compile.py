@@ -129,6 +129,26 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs
 
 
+def test_a_map_planned_for_a_wider_window_loads_while_tracing():
+    """A map whose saturation sympy cannot prove is planned for the analysed window; a longer call loads the module
+    planned for a wider one (relgen.runtime._load_wider), which under fullgraph compilation happens at trace time."""
+    spec = relgen.load_spec(
+        {
+            "name": "sqrt_buckets",
+            "terms": ["query", "bias"],
+            "map": {"kind": "expression", "expr": "sign(delta)*Min(floor(sqrt(Abs(delta))), 7) + 7", "rows": 15},
+        }
+    )
+    fn = relgen.compile_mechanism(spec)
+    assert fn.module.PLAN.valid_up_to == 64
+    inputs = make_inputs(spec, b=1, h=2, nq=80, d=16, device=DEVICE, seed=2)
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=aot_eager, fullgraph=True)
+    got = _run(compiled, inputs, {})  # first: the wider module is loaded while Dynamo traces
+    want = _run(fn, inputs, {})
+    for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("name", "option", "values"),
     [("t5", "dropout_seed", (1, 2, 3, 4)), ("txl", "q_offset", (3, 5, 9, 12))],
