@@ -130,13 +130,14 @@ class Mechanism:
         self.spec = spec
         self.plan = analyze(spec)
         self.module = load_module(self.plan)
+        _SPECS[self.plan.spec_hash] = spec
         self._variants: dict[tuple, ModuleType] = {}
 
     def module_for(self, window: int) -> ModuleType:
         limit = self.module.PLAN.valid_up_to
         if limit is None or window <= limit:
             return self.module
-        return _WIDER[_load_wider(self.spec, self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
+        return _WIDER[_load_wider(self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
 
     def __call__(self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, **options: Any):
         window = 1
@@ -198,17 +199,19 @@ class Mechanism:
         return f"<relgen mechanism {self.plan.summary()}>"
 
 
+#: the spec of each Mechanism, by spec hash (what _load_wider can be given: Dynamo passes only constants)
+_SPECS: dict[str, MechanismSpec] = {}
 #: modules planned for longer windows than their spec's analysis proved, by (spec hash, window)
 _WIDER: dict[tuple[str, int], ModuleType] = {}
 
 
 @torch.compiler.assume_constant_result
-def _load_wider(spec: MechanismSpec, spec_hash: str, n: int) -> tuple[str, int]:
-    """Load (once) the module of `spec` planned for windows up to n; returns its key in _WIDER. Under torch.compile
+def _load_wider(spec_hash: str, n: int) -> tuple[str, int]:
+    """Load (once) the module of a spec planned for windows up to n; returns its key in _WIDER. Under torch.compile
     this runs while tracing, as a constant (rendering and importing a module cannot be traced)."""
     key = (spec_hash, n)
     if key not in _WIDER:
-        _WIDER[key] = load_module(analyze(spec, n))
+        _WIDER[key] = load_module(analyze(_SPECS[spec_hash], n))
     return key
 
 

@@ -22,3 +22,7 @@ tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl";
 # Call 4 (nvidia-h200, tree of the commit after 5216baa): test_compile.py and test_features.py on the GPU
 #   timeout 500 python3 -m pytest -v -n 8 tests/test_compile.py tests/test_features.py -p no:warnings -rfE \
 #       > $OUT/gpu_tests.log 2>&1
+# Call 5 (nvidia-h200, tree with be308cb's runtime): test_compile.py and the replanned-window kernel test on the GPU
+#   timeout 400 python3 -m pytest -v -n 8 tests/test_compile.py \
+#       "tests/test_kernels.py::test_unsaturated_expression_map_is_replanned_for_longer_sequences" -p no:warnings -rfE \
+#       > $OUT/gpu_tests.log 2>&1
