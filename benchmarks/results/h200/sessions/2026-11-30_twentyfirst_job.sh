@@ -26,3 +26,9 @@ tail -3 "$OUT/verify/gpu_tests.log"; grep -c '"ms"' "$OUT/compiled_calls.jsonl";
 #   timeout 400 python3 -m pytest -v -n 8 tests/test_compile.py \
 #       "tests/test_kernels.py::test_unsaturated_expression_map_is_replanned_for_longer_sequences" -p no:warnings -rfE \
 #       > $OUT/gpu_tests.log 2>&1
+#   call 5 ran it: 33 passed, 1 failed (the wider-window test: torch 2.11's Dynamo passes only Python constants to
+#   an assume_constant_result function; fixed in 37cf87c)
+# Call 6 (nvidia-h200, tree 37cf87c):
+#   timeout 200 python3 -m pytest -v -n 3 tests/test_compile.py -k "wider or symbolic or bits" \
+#       "tests/test_kernels.py::test_unsaturated_expression_map_is_replanned_for_longer_sequences" -p no:warnings \
+#       -rfE > $OUT/gpu_tests.log 2>&1     (17 passed; -k deselected the test_kernels.py test)
