@@ -49,13 +49,21 @@ def _leaves(inputs):
 
 
 def _run(fn, inputs, options, seed=5):
-    """(outputs, gradients of every leaf for a fixed random dO)."""
+    """[outputs (out, and lse with return_lse), then the gradient of every leaf for a fixed random dO]."""
     out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator(device="cpu").manual_seed(seed)
     do = torch.randn(outs[0].shape, generator=g).to(outs[0])
     grads = torch.autograd.grad(outs[0], _leaves(inputs), do)
-    return [o.detach() for o in outs], list(grads)
+    return [*(o.detach() for o in outs), *grads]
+
+
+def assert_equal_bits(got, want, label, names=None):
+    """Two runs (_run's lists) hold the same tensors bit for bit."""
+    names = names or [f"tensor {i}" for i in range(len(want))]
+    for name, a, b in zip(names, got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{label}: {name}"
+        assert torch.equal(a, b), f"{label}: {name} differs from the eager call (max {(a - b).abs().max()})"
 
 
 def assert_same_bits(spec_name, inputs, backend=None, **options):
@@ -67,10 +75,15 @@ def assert_same_bits(spec_name, inputs, backend=None, **options):
     got = _run(compiled, inputs, options)
     assert len(recording.graphs) == 1, "one graph (fullgraph) per call"
     assert any(op.endswith("_forward.default") for op in recording.relgen_ops()), recording.relgen_ops()
-    names = [*["out", "lse"][: len(want[0])], "dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)]
-    for name, a, b in zip(names, [*got[0], *got[1]], [*want[0], *want[1]], strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.equal(a, b), f"{spec_name}: {name} differs from the eager call (max {(a - b).abs().max()})"
+    names = [
+        "out",
+        *(["lse"] if options.get("return_lse") else []),
+        "dq",
+        "dk",
+        "dv",
+        *(f"d{t}" for t in inputs.tables),
+    ]
+    assert_equal_bits(got, want, spec_name, names)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -121,9 +134,7 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
     graphs = []
     for n in (40, 47, 52):  # one length bucket (64)
         inputs = make_inputs(load("shaw"), b=1, h=2, nq=n, d=16, device=DEVICE, seed=n)
-        want, got = _run(fn, inputs, {}), _run(compiled, inputs, {})
-        for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
-            assert torch.equal(a, b), n
+        assert_equal_bits(_run(compiled, inputs, {}), _run(fn, inputs, {}), f"N={n}")
         graphs.append(len(recording.graphs))
     # (the first length may take two graphs: Dynamo first traces the float default dropout_p as an input)
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs
@@ -144,9 +155,7 @@ def test_a_map_planned_for_a_wider_window_loads_while_tracing():
     inputs = make_inputs(spec, b=1, h=2, nq=80, d=16, device=DEVICE, seed=2)
     compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=aot_eager, fullgraph=True)
     got = _run(compiled, inputs, {})  # first: the wider module is loaded while Dynamo traces
-    want = _run(fn, inputs, {})
-    for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
-        assert torch.equal(a, b)
+    assert_equal_bits(got, _run(fn, inputs, {}), "N=80")
 
 
 @pytest.mark.parametrize(
@@ -165,9 +174,7 @@ def test_an_int_that_changes_per_call_becomes_symbolic(name, option, values):
         options = {option: value, **({"dropout_p": 0.3} if option == "dropout_seed" else {})}
         nq, nk = (1, 20) if option == "q_offset" else (24, 24)
         inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, length=max(nq + value, nk))
-        want, got = _run(fn, inputs, options), _run(compiled, inputs, options)
-        for a, b in zip([*got[0], *got[1]], [*want[0], *want[1]], strict=True):
-            assert torch.equal(a, b), (option, value)
+        assert_equal_bits(_run(compiled, inputs, options), _run(fn, inputs, options), f"{option}={value}")
     assert len(recording.graphs) == 2
 
 
@@ -236,9 +243,7 @@ def test_inductor_and_cuda_graphs_give_the_eager_bits(name, mode):
     counters.clear()
     for step in range(3):
         torch.compiler.cudagraph_mark_step_begin()
-        outs, grads = _run(compiled, inputs, {})
-        for a, b in zip([*outs, *grads], [*want[0], *want[1]], strict=True):
-            assert torch.equal(a.clone(), b), f"{name} {mode} step {step}"
+        assert_equal_bits(_run(compiled, inputs, {}), want, f"{name} {mode} step {step}")
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
@@ -273,7 +278,6 @@ def test_eager_calls_replay_from_a_captured_cuda_graph(name):
                 t.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
-        for a, b in zip(captured, step(), strict=True):
-            assert torch.equal(a, b), seed
+        assert_equal_bits(captured, step(), f"{name} inputs of seed {seed}")
     with pytest.raises(NotImplementedError, match="dropout_seed: required"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1)
