@@ -73,8 +73,9 @@ INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
 # integer arguments the attention kernels leave to run time (Triton specialises an integer on being 1 or a multiple
-# of 16): window sizes and strides, which vary with N inside a bucket
-_FWD_RUNTIME = ["C", "WQ", "WK", "ZSQ_A", "ZSK_A"]
+# of 16): window sizes and strides, which vary with N inside a bucket, and the dropout seed, which varies per step
+# (specialised, a training run's seeds would compile each kernel up to three times)
+_FWD_RUNTIME = ["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "seed"]
 _BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
 # the sequence lengths keep their specialisation (a multiple of 16 is a hint the kernels compile better with),
 # except when one is 1: compiled as that constant, the query pass of a 64x64 8-warp tile crashes ptxas (CUDA 12.8,

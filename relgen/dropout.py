@@ -18,7 +18,7 @@ def dropout_keep(seed, bh, i, j, Nq, Nk, dropout_p):
     return tl.rand(seed, counter) >= dropout_p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # as the attention kernels: one compiled kernel for every seed
 def _keep_mask_kernel(OUT, seed, dropout_p, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

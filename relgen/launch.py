@@ -6,8 +6,10 @@ arguments are None) and the cache key of the compiled kernel, before its C launc
 ~40 arguments per launch, so at N ≤ 1K, where a call is host-bound on the H200, that bookkeeping is a visible share
 of the call (benchmarks/results/h200/NOTES.md, "Tenth session").
 
-`Launcher` keeps the compiled kernel Triton returned under a *fingerprint* of the launch: the integers' values,
-the other arguments' specialisation read in Python, the current device and the keyword arguments. A fingerprint
+`Launcher` keeps the compiled kernel Triton returned under a *fingerprint* of the launch: the integers' values
+(only their width for the kernel's `do_not_specialize` parameters, e.g. a per-step dropout seed, so that a new
+value is no miss), the other arguments' specialisation read in Python, the current device and the keyword
+arguments. A fingerprint
 never merges two launches Triton would tell apart (it tells apart launches Triton merges: that costs one more
 miss, not a wrong kernel), and any argument of a kind it does not know sends the launch through Triton's path.
 On a hit the launch goes through the compiled kernel's own launcher (`CompiledKernel[grid](*all_args)`), with
@@ -31,6 +33,13 @@ _UNKNOWN = object()
 CAPACITY = 64
 
 
+def _width(value: int) -> str:
+    """What Triton tells apart in an integer it does not specialise on: the type it passes it as."""
+    if -(2**31) <= value < 2**31:
+        return "i32"
+    return "i64" if -(2**63) <= value < 2**63 else "u64"
+
+
 def _fingerprint(arg: Any) -> Any:
     """What Triton specialises a non-integer kernel argument on (or finer), or _UNKNOWN. Integers are keyed by
     their value (see Launcher.launch)."""
@@ -51,6 +60,10 @@ class Launcher:
         self.kernel = kernel
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
         self._tail: tuple[int, list[str], list[Any]] = (-1, [], [])
+        names = list(inspect.signature(kernel.fn).parameters)
+        unspecialised = getattr(kernel, "do_not_specialize", ())
+        #: positions of the parameters Triton does not specialise on (names or positions in do_not_specialize)
+        self._by_width = tuple(i for i, name in enumerate(names) if name in unspecialised or i in unspecialised)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -62,9 +75,13 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         # integers by value: finer than Triton's classes (1, multiple of 16, width) and twice as fast to read; the
-        # sizes and strides of a training loop or a benchmark repeat, and a seed that changes per call only
-        # costs the misses
-        fingerprint = tuple([a if type(a) is int else _fingerprint(a) for a in args])
+        # sizes and strides of a training loop or a benchmark repeat. An unspecialised one (a seed that changes
+        # per call) by its width, as Triton tells it apart
+        fingerprint = [a if type(a) is int else _fingerprint(a) for a in args]
+        for i in self._by_width:
+            if i < len(args) and type(args[i]) is int:
+                fingerprint[i] = _width(args[i])
+        fingerprint = tuple(fingerprint)
         key = (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
         compiled = self._compiled.get(key) if key is not None else None
         if compiled is None:

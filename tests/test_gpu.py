@@ -217,24 +217,28 @@ class _CountingKernel:
         return self.kernel[grid]
 
 
+def _counting_launches(monkeypatch, module):
+    """Every Launcher of `module` emptied and counting its launches through Triton's path (the counters)."""
+    from relgen.launch import Launcher
+
+    counters = []
+    for launcher in [x for x in vars(module).values() if isinstance(x, Launcher)]:
+        monkeypatch.setattr(launcher, "_compiled", type(launcher._compiled)())
+        counters.append(_CountingKernel(launcher.kernel))
+        monkeypatch.setattr(launcher, "kernel", counters[-1])
+    return counters
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
 def test_repeat_calls_launch_the_kept_kernels(monkeypatch, name):
     """relgen.launch.Launcher on the GPU: a repeated call launches every kernel through the compiled kernel kept
     from the first call, not through Triton's path, and its output and gradients are bitwise those of the first."""
-    from relgen.launch import Launcher
-
     spec = spec_of(name)
-    module = relgen.compile_mechanism(spec).module
-    launchers = [x for x in vars(module).values() if isinstance(x, Launcher)]
-    counters = []
-    for launcher in launchers:
-        monkeypatch.setattr(launcher, "_compiled", type(launcher._compiled)())
-        counters.append(_CountingKernel(launcher.kernel))
-        monkeypatch.setattr(launcher, "kernel", counters[-1])
+    fn = relgen.compile_mechanism(spec)
+    counters = _counting_launches(monkeypatch, fn.module)
     inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda")
     leaves = list(inputs.leaves.values())
-    fn = relgen.compile_mechanism(spec)
 
     def run():
         out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
@@ -247,6 +251,30 @@ def test_repeat_calls_launch_the_kept_kernels(monkeypatch, name):
     assert sum(c.launches for c in counters) == through_triton, "the repeated call went through Triton's path"
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_cuda
+def test_a_new_dropout_seed_per_call_launches_the_kept_kernels(monkeypatch):
+    """A training step's new seed (1 and multiples of 16 among them) neither compiles nor misses: the seed is not
+    specialised on. The same seed again gives the same bits, another seed other ones."""
+    spec = spec_of("t5")
+    fn = relgen.compile_mechanism(spec)
+    counters = _counting_launches(monkeypatch, fn.module)
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda")
+    leaves = list(inputs.leaves.values())
+
+    def run(seed):
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1, dropout_seed=seed)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    first = run(7)
+    through_triton = sum(c.launches for c in counters)
+    for seed in (1, 16, 2**31 - 1, 4099):
+        run(seed)
+    assert sum(c.launches for c in counters) == through_triton, "a new seed went through Triton's path"
+    again, other = run(7), run(8)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])
 
 
 def _report(kind, figures):

@@ -7,6 +7,9 @@ it)."""
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +17,7 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
 from relgen import launch
-from relgen.launch import Launcher, _fingerprint
+from relgen.launch import Launcher, _fingerprint, _width
 
 
 def triton_specialisation(arg):
@@ -43,6 +46,34 @@ def test_fingerprints_no_coarser_than_triton():
                 assert triton_specialisation(a) == triton_specialisation(b), (a, b)
     assert _fingerprint(buffer) != _fingerprint(buffer[1:])  # 2 bytes in: no longer on 16 bytes
     assert _fingerprint(buffer) == _fingerprint(buffer[8:])  # 16 bytes in
+
+
+def test_unspecialised_integers_keyed_by_width_as_triton_tells_them_apart():
+    values = [0, 1, 16, 17, -5, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**63 - 1, 2**63]
+    for a in values:
+        for b in values:
+            same = native_specialize_impl(CUDABackend, a, False, False, True) == native_specialize_impl(
+                CUDABackend, b, False, False, True
+            )
+            assert (_width(a) == _width(b)) == same, (a, b)
+
+
+def test_generated_kernels_do_not_specialise_on_the_dropout_seed():
+    """A training run draws a seed per step: specialised, 1 and the multiples of 16 would each compile the
+    attention kernels again (and Launcher would miss on every new seed)."""
+    import relgen
+
+    module = relgen.compile_mechanism(Path(__file__).resolve().parents[1] / "specs" / "t5.yaml").module
+    with_seed = [
+        launcher
+        for launcher in vars(module).values()
+        if isinstance(launcher, Launcher) and "seed" in inspect.signature(launcher.fn).parameters
+    ]
+    assert len(with_seed) == 6  # forward, query pass, key pass and their any-length twins
+    for launcher in with_seed:
+        kernel = launcher.kernel  # a JITFunction, or under the interpreter what keeps triton.jit's options
+        unspecialised = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else kernel.do_not_specialize
+        assert "seed" in unspecialised
 
 
 class _Compiled:
@@ -119,6 +150,17 @@ def test_a_launch_triton_would_compile_apart_takes_its_path(on_device, changed):
     run(**{**call, **changed})
     run(**{**call, **changed})
     assert paths(kernel) == ["triton", "triton", "fast"]
+
+
+def test_unspecialised_integers_reuse_the_compiled_kernel_until_their_width_changes(on_device):
+    kernel = _Kernel()
+    kernel.do_not_specialize = ["n"]
+    launcher = Launcher(kernel)
+    x = torch.zeros(32, dtype=torch.float16)
+    for n in (17, 1, 32, 2**31 - 1, 2**31, 2**40):  # one width, then 64 bits
+        launcher[(1,)](x, n, True, BLOCK=32)
+    assert paths(kernel) == ["triton", "fast", "fast", "fast", "triton", "fast"]
+    assert kernel.log[2][2][1] == 32  # the fast path passes the value itself
 
 
 def test_launch_kinds_beyond_capacity_evict_the_least_recent(on_device, monkeypatch):
