@@ -7,6 +7,7 @@ globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
         [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections]
+        [--dropout-seed int|tensor]
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def record(
-    spec_path: str, dtype: str, seq_len: int, arch: int, config_for: int, overrides: list[str], ablation: str | None
+    spec_path: str,
+    dtype: str,
+    seq_len: int,
+    arch: int,
+    config_for: int,
+    overrides: list[str],
+    ablation: str | None,
+    dropout_seed: str | None = None,
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -104,8 +112,11 @@ def record(
     if spec.has_bias:
         tables["bias"] = torch.randn(shape[:-1], requires_grad=True)
     q, k, v = (torch.randn(1, 2, n, 64, dtype=torch_dtype, requires_grad=True) for _ in range(3))
+    options = {}
+    if dropout_seed is not None:  # the dropout kernels, with the seed as an int or read from a tensor
+        options = {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
     with runtime.override_config(cfg):
-        out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation)
+        out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation, **options)
         out.sum().backward()
     seen, unique = set(), []
     for launch in launches:
@@ -220,13 +231,23 @@ def main() -> int:
     )
     parser.add_argument("--memory-ops", action="store_true", help="count global loads/stores by width in the PTX")
     parser.add_argument("--ablation", default=None, help="compile a Table 7 variant (relgen.runtime.ABLATIONS)")
+    parser.add_argument(
+        "--dropout-seed", choices=["int", "tensor"], default=None, help="compile the dropout kernels, seed as given"
+    )
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
         with open(args.compile_from) as f:
             return 1 if compile_all(json.load(f), args.arch, args.memory_ops) else 0
     launches = record(
-        args.spec, args.dtype, args.seq_len, args.arch, args.config_for or args.seq_len, args.tiles, args.ablation
+        args.spec,
+        args.dtype,
+        args.seq_len,
+        args.arch,
+        args.config_for or args.seq_len,
+        args.tiles,
+        args.ablation,
+        args.dropout_seed,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

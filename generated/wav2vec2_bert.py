@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from relgen import runtime as _rt
-from relgen.dropout import dropout_keep
+from relgen.dropout import dropout_keep, seed_value
 
 SPEC_NAME = "wav2vec2_bert"
 SPEC_HASH = "2fdf5be0a3d22fbe"
@@ -715,6 +715,8 @@ def _attn_fwd_kernel(
     column tiles of BLOCK_W."""
     ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
+    if DROPOUT:
+        seed = seed_value(seed)  # an int, or read once from its tensor
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     i0 = pid_m * BLOCK_M
@@ -1173,6 +1175,8 @@ def _attn_bwd_q_kernel(
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
     ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
+    if DROPOUT:
+        seed = seed_value(seed)  # an int, or read once from its tensor
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     tok0 = tok0.to(tl.int64)
@@ -1595,6 +1599,8 @@ def _attn_bwd_kv_kernel(
     [BM, BN] like the other passes', or [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
     ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_n, bh = tl.program_id(0), tl.program_id(1)
+    if DROPOUT:
+        seed = seed_value(seed)  # an int, or read once from its tensor
     b, h = bh // H, bh % H
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     tok0 = tok0.to(tl.int64)
@@ -2438,6 +2444,7 @@ def attention(
     _ablation=None,
 ):
     """wav2vec2_bert: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
+    dropout_seed = _rt.seed_snapshot(dropout_seed)
     if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.custom_ops)
         if _ablation is not None:
             raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")

@@ -77,6 +77,23 @@ def lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def seed_snapshot(dropout_seed: Any) -> Any:
+    """A tensor seed as the call's backward will read it: a copy, so that the caller may update theirs in place as
+    soon as the forward has been called (a CUDA graph's next step) without changing this call's mask."""
+    return dropout_seed.detach().clone() if isinstance(dropout_seed, torch.Tensor) else dropout_seed
+
+
+def _check_seed_tensor(seed: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A seed the kernels read at run time (its value is not checked: that would synchronise with the device)."""
+    if seed.dtype not in (torch.int64, torch.int32) or seed.numel() != 1:
+        raise ValueError(
+            f"dropout_seed: a tensor seed must be one int64 or int32 element, got {_shape(seed)} {seed.dtype}"
+        )
+    if seed.device != q.device:
+        raise ValueError(f"dropout_seed: must be on q's device ({q.device}), got {seed.device}")
+    return seed.reshape(1)
+
+
 def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
     """check_call, except that a call whose signature (_signature) passed before reuses that call's Geometry
     without checking again: at short lengths a call is host-bound on the GPU, and a training loop or a benchmark
@@ -204,13 +221,17 @@ def check_call(
         if dropout_p > 0 and capturing():
             raise NotImplementedError(
                 "dropout_seed: required with dropout_p > 0 under CUDA graph capture (a seed drawn now would be "
-                "replayed at every step); pass the seed, and capture one graph per seed"
+                "replayed at every step); pass a one-element int64 tensor and update it between replays"
             )
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
     elif isinstance(dropout_seed, INT) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
         seed = dropout_seed
+    elif isinstance(dropout_seed, torch.Tensor):
+        seed = _check_seed_tensor(dropout_seed, q)
     else:
-        raise ValueError(f"dropout_seed: expected None or a non-negative int, got {dropout_seed!r}")
+        raise ValueError(
+            f"dropout_seed: expected None, a non-negative int or a one-element integer tensor, got {dropout_seed!r}"
+        )
     if scale is None:
         tau = _spec_scale(plan.scale, d)
     elif isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:

@@ -12,7 +12,8 @@ Eager calls do not go through these ops: the dispatcher adds ~10 µs per op, and
 
 Under torch.compile:
 - dropout needs an explicit `dropout_seed` (a seed drawn inside the compiled graph would reach the backward only
-  through a host synchronisation, and a CUDA graph would replay it);
+  through a host synchronisation): an int (the op's `seed`), or a one-element tensor the kernels read (`seed_tensor`),
+  which under CUDA graphs is the only kind a replay does not freeze;
 - packed sequences need `max_seqlen` (the longest sequence cannot be read off the device while tracing);
 - the ablation switches (`relgen bench --ablation`) are eager-only.
 """
@@ -63,7 +64,10 @@ def _kept(projections: Projections, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 #: the call's options after its tensors, as both ops take them
-_OPTIONS = "SymInt? max_seqlen, SymInt q_offset, SymInt k_offset, float dropout_p, SymInt seed, float? scale"
+_OPTIONS = (
+    "SymInt? max_seqlen, SymInt q_offset, SymInt k_offset, float dropout_p, SymInt seed, Tensor? seed_tensor, "
+    "float? scale"
+)
 #: (o, lse2, [Z̃^Q, Z̃^K, their end columns; empty where absent]) — lse2 and the projections feed the backward
 FORWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? aq, Tensor? ak, Tensor? bias, Tensor? kpm, Tensor? cu_seqlens, "
@@ -85,30 +89,35 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
     if stem in _REGISTERED:  # the same module imported again: same source (its name holds the source's hash)
         return _REGISTERED[stem]
 
-    def prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale):
+    def prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor,
+                scale):  # fmt: skip
+        dropout_seed = seed_tensor if seed_tensor is not None else seed if dropout_p else None
         return passes.prepare(
             q, k, v, aq, ak, bias, key_padding_mask=kpm, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, dropout_seed=seed if dropout_p else None,
-            scale=scale,
+            q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
         )  # fmt: skip
 
     @torch.library.custom_op(f"{NAMESPACE}::{stem}_forward", mutates_args=(), schema=FORWARD_SCHEMA)
-    def forward(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale,
-                keep_projections):  # fmt: skip
-        if dropout_p and capturing():
+    def forward(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
+                seed_tensor, scale, keep_projections):  # fmt: skip
+        if dropout_p and seed_tensor is None and capturing():
             raise NotImplementedError(
-                "dropout_p: dropout inside a CUDA graph (torch.compile mode='reduce-overhead') would replay the "
-                "captured seed at every step; compile without CUDA graphs (mode='max-autotune-no-cudagraphs')"
+                "dropout_seed: an int seed inside a CUDA graph (torch.compile mode='reduce-overhead') would be "
+                "replayed at every step; pass a one-element int64 tensor on the device and update it in place "
+                "between steps"
             )
-        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
+                       seed_tensor, scale)  # fmt: skip
         o, lse2, projections, _ = passes.forward(call, keep_projections)
         return o, lse2, _kept(projections, lse2)
 
     @forward.register_fake
-    def _(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale, keep):
+    def _(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor,
+          scale, keep):  # fmt: skip
         # the real op's checks and allocations, on sizes that may be symbolic (torch.compile's dynamic shapes:
         # choosing the length bucket's tiles guards the graph on that bucket)
-        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
+                       seed_tensor, scale)  # fmt: skip
         o = torch.empty_like(call.q)
         lse2 = torch.empty(call.geo.token_rows(True), device=q.device, dtype=torch.float32)
         projections = passes.buffers(call.geo, q.device) if keep else (None,) * 4
@@ -116,8 +125,9 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
 
     @torch.library.custom_op(f"{NAMESPACE}::{stem}_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
     def backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
-                 dropout_p, seed, scale):  # fmt: skip
-        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+                 dropout_p, seed, seed_tensor, scale):  # fmt: skip
+        call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
+                       seed_tensor, scale)  # fmt: skip
         dq, dk, dv, *dtables = passes.backward(do, call, o, lse2, _present(projections))
         tables = (call.aq, call.ak, call.bias)
         assert all((g is None) == (t is None) for g, t in zip(dtables, tables, strict=True)), "a table's gradient"
@@ -125,23 +135,26 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
 
     @backward.register_fake
     def _(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
-          dropout_p, seed, scale):  # fmt: skip
+          dropout_p, seed, seed_tensor, scale):  # fmt: skip
         tables = [torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (aq, ak, bias) if t is not None]
         return [torch.empty_like(lastdim_contiguous(x)) for x in (q, k, v)] + tables
 
     def setup_context(ctx, inputs, output):
-        q, k, v, aq, ak, bias, kpm, cu_seqlens, *scalars, _keep = inputs
+        q, k, v, aq, ak, bias, kpm, cu_seqlens = inputs[:8]
+        max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor, scale, _keep = inputs[8:]
         o, lse2, projections = output
-        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, *projections)
-        ctx.scalars = scalars  # max_seqlen, q_offset, k_offset, dropout_p, seed, scale
+        ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, seed_tensor, *projections)
+        ctx.scalars = (max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
         ctx.mark_non_differentiable(lse2, *projections)
 
     def backward_formula(ctx, do, _dlse, _dprojections):
-        q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, *projections = ctx.saved_tensors
-        grads = iter(backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, *ctx.scalars))
+        q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, seed_tensor, *projections = ctx.saved_tensors
+        max_seqlen, q_offset, k_offset, dropout_p, seed, scale = ctx.scalars
+        grads = iter(backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen,
+                              q_offset, k_offset, dropout_p, seed, seed_tensor, scale))  # fmt: skip
         dq, dk, dv = next(grads), next(grads), next(grads)
         dtables = [next(grads) if t is not None else None for t in (aq, ak, bias)]
-        return dq, dk, dv, *dtables, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, *dtables, *(None,) * 10
 
     forward.register_autograd(backward_formula, setup_context=setup_context)
 
@@ -151,8 +164,9 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
             raise NotImplementedError(
                 "dropout_seed: required with dropout_p > 0 under torch.compile (the backward needs the forward's "
                 "seed, which a seed drawn inside the graph could reach only through a host synchronisation); pass "
-                "a new int per step"
+                "a new int per step, or under CUDA graphs a one-element int64 tensor updated in place"
             )
+        as_tensor = isinstance(dropout_seed, torch.Tensor)
         if cu_seqlens is not None and max_seqlen is None:
             raise ValueError(
                 "max_seqlen: required with cu_seqlens under torch.compile (the longest sequence cannot be read "
@@ -160,7 +174,7 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
             )
         o, lse2, _ = forward(
             q, k, v, aq, ak, bias, key_padding_mask, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p,
-            dropout_seed or 0, scale, keep_projections,
+            0 if as_tensor else dropout_seed or 0, dropout_seed if as_tensor else None, scale, keep_projections,
         )  # fmt: skip
         return o, lse2
 

@@ -137,7 +137,7 @@ class Geometry:
     dtype: torch.dtype
     scale: float
     dropout_p: float
-    seed: int
+    seed: int | torch.Tensor  # a tensor: one element the kernels read (relgen.dropout.seed_value)
     config: KernelConfig
     varlen: bool = False
     total: int = 0

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from relgen.analyze import Plan, analyze
-from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call
+from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call, seed_snapshot
 from relgen.config import (
     INTERPRETER_CONFIG,
     AttnTiles,
@@ -70,6 +70,7 @@ __all__ = [
     "override_config",
     "prepare_call",
     "register_custom_ops",
+    "seed_snapshot",
     "select_config",
     "table_chunks",
 ]

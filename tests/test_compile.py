@@ -178,6 +178,26 @@ def test_an_int_that_changes_per_call_becomes_symbolic(name, option, values):
     assert len(recording.graphs) == 2
 
 
+def test_a_tensor_seed_updated_in_place_keeps_one_graph():
+    """A seed tensor changed in place per step is one graph input (no recompilation, nothing for a CUDA graph to
+    replay wrong); each step draws what an eager call with that int draws, the backward too although the seed
+    moved on before it."""
+    spec = load("t5")
+    fn = relgen.compile_mechanism(spec)
+    recording = Recording()
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=recording, fullgraph=True)
+    inputs = make_inputs(spec, b=1, h=2, nq=24, d=16, device=DEVICE)
+    seed = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for value in (1, 2, 3):
+        seed.fill_(value)
+        out = compiled(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.3, dropout_seed=seed)
+        seed.fill_(100 + value)
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+        got = [out.detach(), *torch.autograd.grad(out, _leaves(inputs), do)]
+        assert_equal_bits(got, _run(fn, inputs, {"dropout_p": 0.3, "dropout_seed": value}), f"seed {value}")
+    assert len(recording.graphs) == 1
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -281,3 +301,51 @@ def test_eager_calls_replay_from_a_captured_cuda_graph(name):
         assert_equal_bits(captured, step(), f"{name} inputs of seed {seed}")
     with pytest.raises(NotImplementedError, match="dropout_seed: required"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["deberta_v3", "t5"])
+def test_dropout_in_cuda_graphs_reads_its_seed_tensor(name):
+    """Dropout replayed from CUDA graphs: a seed tensor updated in place between replays draws each step's own mask,
+    bit for bit what an eager call with that int seed draws. Through torch.compile(mode='reduce-overhead') (no
+    graph skipped) and through torch.cuda.graph around eager calls."""
+    from torch._dynamo.utils import counters
+
+    spec = load(name)
+    fn = relgen.compile_mechanism(spec)
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
+    leaves = _leaves(inputs)
+    seed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    options = {"dropout_p": 0.1, "dropout_seed": seed}
+
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), mode="reduce-overhead", fullgraph=True)
+    counters.clear()
+    for value in (11, 12, 13, 14):  # warm-up, capture, replays
+        seed.fill_(value)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = _run(compiled, inputs, options)
+        assert_equal_bits(got, _run(fn, inputs, {"dropout_p": 0.1, "dropout_seed": value}), f"compiled {value}")
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+    do = torch.randn_like(inputs.q)
+
+    def step():
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for value in (21, 22):
+        seed.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1, dropout_seed=value)
+        want = [out, *torch.autograd.grad(out, leaves, do)]
+        assert_equal_bits(captured, want, f"captured, seed {value}")

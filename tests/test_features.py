@@ -88,6 +88,33 @@ def test_dropout_seed_none_follows_torch_generator():
     assert not torch.equal(outs[0], fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.5))
 
 
+def _output_and_gradients(fn, inputs, **options):
+    leaves = list(inputs.leaves.values())
+    out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
+def test_a_tensor_seed_draws_the_ints_mask(name):
+    """dropout_seed as a one-element tensor (read by the kernels, for CUDA graphs) gives the bits an int seed
+    gives, in every pass; the caller's tensor may change once the forward has been called."""
+    spec = load(name)
+    inputs = make_inputs(spec, b=2, h=2, nq=45, d=16, device=DEVICE, seed=3)
+    fn = relgen.compile_mechanism(spec)
+    expected = _output_and_gradients(fn, inputs, dropout_p=0.3, dropout_seed=2**31 + 5)
+    leaves = list(inputs.leaves.values())
+    for dtype in (torch.int64, torch.int32):
+        seed = torch.tensor(2**31 + 5 if dtype == torch.int64 else 77, dtype=dtype, device=DEVICE)
+        want = expected if dtype == torch.int64 else _output_and_gradients(fn, inputs, dropout_p=0.3, dropout_seed=77)
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.3, dropout_seed=seed)
+        seed.fill_(9)  # the next step's seed, set before this step's backward
+        got = [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b), dtype
+    other = _output_and_gradients(fn, inputs, dropout_p=0.3, dropout_seed=torch.tensor([9], device=DEVICE))
+    assert not torch.equal(other[0], expected[0])
+
+
 @pytest.mark.parametrize("name", ["txl", "t5_decoder"])
 def test_return_lse(name):
     spec = load(name)
@@ -158,6 +185,9 @@ def _bad_call(**changes):
         ({"dropout_p": -0.1}, "dropout_p"),
         ({"scale": 0.0}, "scale"),
         ({"dropout_seed": -3}, "dropout_seed"),
+        ({"dropout_seed": torch.tensor([1.0])}, "dropout_seed"),
+        ({"dropout_seed": torch.tensor([1, 2])}, "dropout_seed"),
+        ({"dropout_seed": "7"}, "dropout_seed"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
