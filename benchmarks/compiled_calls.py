@@ -10,13 +10,17 @@ triton.testing.do_bench medians (L2 flushed) of the forward alone and of a step 
 one process per (spec, N), systems in alternating order, every compiled result checked bit for bit against the
 eager call first.
 
-    python benchmarks/compiled_calls.py --specs t5,shaw --seq-lens 128,256,512,1024 [--out FILE.jsonl]
+With `--dropout P` every call draws a new seed, as a training step does: an int for the eager and the compiled
+calls, a one-element tensor updated in place before each step for CUDA graphs (which would replay an int).
+
+    python benchmarks/compiled_calls.py --specs t5,shaw --seq-lens 128,256,512,1024 [--dropout 0.1] [--out FILE.jsonl]
     python benchmarks/compiled_calls.py --report FILE.jsonl [FILE.jsonl ...] > compiled_calls.md
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -31,44 +35,58 @@ from profile_kernels import inputs
 MODES = {"eager": None, "compile": "default", "compile_cudagraphs": "reduce-overhead"}
 
 
-def measure(spec: str, n: int, rounds: int) -> list[dict]:
+def measure(spec: str, n: int, rounds: int, dropout: float = 0.0) -> list[dict]:
     fn, qkv, tables = inputs(spec, n)
     leaves = [*qkv, *tables.values()]
-    for t in leaves:  # as activations made inside a model's graph: CUDA graphs would otherwise copy each input
-        torch._dynamo.mark_static_address(t)  # into their own buffer at every replay (~50 µs at 16K tokens)
+    seed_tensor = torch.zeros(1, dtype=torch.int64, device=qkv[0].device)
+    for t in [*leaves, seed_tensor]:  # as activations made inside a model's graph: CUDA graphs would otherwise
+        torch._dynamo.mark_static_address(t)  # copy each input into their own buffer at every replay (~50 µs)
     do = torch.randn_like(qkv[0])
     calls = {
         name: fn if mode is None else torch.compile(lambda *a, **kw: fn(*a, **kw), mode=mode, fullgraph=True)
         for name, mode in MODES.items()
     }
+    seeds = itertools.count(1)
 
-    def forward(call):
+    def options(name: str, seed: int | None = None) -> dict:
+        """The call's dropout options: a new seed per call unless given."""
+        if not dropout:
+            return {}
+        seed = next(seeds) if seed is None else seed
+        if name == "compile_cudagraphs":
+            seed_tensor.fill_(seed)
+            return {"dropout_p": dropout, "dropout_seed": seed_tensor}
+        return {"dropout_p": dropout, "dropout_seed": seed}
+
+    def forward(name, seed=None):
         def run():
             torch.compiler.cudagraph_mark_step_begin()
-            return call(*qkv, **tables)
+            return calls[name](*qkv, **tables, **options(name, seed))
 
         return run
 
-    def step(call):
+    def step(name, seed=None):
         def run():
             torch.compiler.cudagraph_mark_step_begin()
-            return torch.autograd.grad(call(*qkv, **tables), leaves, do)
+            return torch.autograd.grad(calls[name](*qkv, **tables, **options(name, seed)), leaves, do)
 
         return run
 
-    want = step(fn)()
-    for name, call in calls.items():  # compiles, captures; then the result must be the eager one
-        for _ in range(3):
-            got = step(call)()
-        exact = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        assert exact, f"{spec} N={n}: {name} differs from the eager call"
+    for seed in (1234, 1235):  # (with dropout, a second seed: an int seed's recompilation happens here)
+        want = step("eager", seed)()
+        for name in calls:  # compiles, captures; then the result must be the eager one
+            for _ in range(3):
+                got = step(name, seed)()
+            exact = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            assert exact, f"{spec} N={n}: {name} differs from the eager call"
     records = []
     for r in range(rounds):
         order = list(calls) if r % 2 == 0 else list(reversed(calls))
         for name in order:
             for kind, make in (("fwd", forward), ("step", step)):
-                ms = triton.testing.do_bench(make(calls[name]), warmup=25, rep=200)
-                records.append({"mechanism": spec, "seq_len": n, "system": name, "pass": kind, "ms": ms, "round": r})
+                ms = triton.testing.do_bench(make(name), warmup=25, rep=200)
+                record = {"mechanism": spec, "seq_len": n, "system": name, "pass": kind, "ms": ms, "round": r}
+                records.append({**record, **({"dropout_p": dropout} if dropout else {})})
     return records
 
 
@@ -79,8 +97,9 @@ def report(paths: list[Path]) -> str:
         for line in path.read_text().splitlines():
             r = json.loads(line)
             if "ms" in r:
-                times.setdefault((r["mechanism"], r["seq_len"], r["pass"], r["system"]), []).append(r["ms"])
-    cases = sorted({key[:3] for key in times}, key=lambda c: (c[0], c[1], c[2] != "fwd"))
+                kind = r["pass"] + (f", dropout {r['dropout_p']}" if r.get("dropout_p") else "")
+                times.setdefault((r["mechanism"], r["seq_len"], kind, r["system"]), []).append(r["ms"])
+    cases = sorted({key[:3] for key in times}, key=lambda c: (c[0], c[1], "dropout" in c[2], c[2] != "fwd"))
     lines = [
         "| mechanism | N | pass | " + " | ".join(MODES) + " | eager / CUDA graphs |",
         "|---|---|---|" + "---|" * (len(MODES) + 1),
@@ -98,6 +117,7 @@ def main() -> None:
     parser.add_argument("--specs", default="t5,shaw,txl,deberta_v3")
     parser.add_argument("--seq-lens", default="128,256,512,1024,4096")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p, a new seed per call")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--one", help="(internal) spec:N measured in this process")
     parser.add_argument("--report", type=Path, nargs="+", help="print these records as a Markdown table")
@@ -107,12 +127,13 @@ def main() -> None:
         return
     if args.one:
         spec, n = args.one.split(":")
-        for record in measure(spec, int(n), args.rounds):
+        for record in measure(spec, int(n), args.rounds, args.dropout):
             print(json.dumps(record), flush=True)
         return
     for spec in args.specs.split(","):
         for n in map(int, args.seq_lens.split(",")):
             cmd = [sys.executable, __file__, "--one", f"{spec}:{n}", "--rounds", str(args.rounds)]
+            cmd += ["--dropout", str(args.dropout)]
             run = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
             if run.returncode != 0:
