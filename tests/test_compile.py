@@ -306,46 +306,53 @@ def test_eager_calls_replay_from_a_captured_cuda_graph(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["deberta_v3", "t5"])
-def test_dropout_in_cuda_graphs_reads_its_seed_tensor(name):
-    """Dropout replayed from CUDA graphs: a seed tensor updated in place between replays draws each step's own mask,
-    bit for bit what an eager call with that int seed draws. Through torch.compile(mode='reduce-overhead') (no
-    graph skipped) and through torch.cuda.graph around eager calls."""
+def test_dropout_in_compiled_cuda_graphs_reads_its_seed_tensor(name):
+    """Dropout replayed from torch.compile's CUDA graphs (mode='reduce-overhead', no graph skipped): a seed tensor
+    updated in place between steps draws each step's own mask, bit for bit what an eager call with that int seed
+    draws."""
     from torch._dynamo.utils import counters
 
     spec = load(name)
     fn = relgen.compile_mechanism(spec)
     inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
-    leaves = _leaves(inputs)
     seed = torch.zeros(1, dtype=torch.int64, device="cuda")
-    options = {"dropout_p": 0.1, "dropout_seed": seed}
-
     compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), mode="reduce-overhead", fullgraph=True)
     counters.clear()
     for value in (11, 12, 13, 14):  # warm-up, capture, replays
         seed.fill_(value)
         torch.compiler.cudagraph_mark_step_begin()
-        got = _run(compiled, inputs, options)
-        assert_equal_bits(got, _run(fn, inputs, {"dropout_p": 0.1, "dropout_seed": value}), f"compiled {value}")
+        got = _run(compiled, inputs, {"dropout_p": 0.1, "dropout_seed": seed})
+        assert_equal_bits(got, _run(fn, inputs, {"dropout_p": 0.1, "dropout_seed": value}), f"step {value}")
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["deberta_v3", "t5"])
+def test_dropout_in_a_captured_cuda_graph_reads_its_seed_tensor(name):
+    """torch.cuda.graph around eager dropout calls (forward and every gradient): each replay draws the mask of the
+    seed its tensor holds at replay time, bit for bit what an eager call with that int seed draws."""
+    spec = load(name)
+    fn = relgen.compile_mechanism(spec)
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
+    leaves = _leaves(inputs)
+    seed = torch.full((1,), 20, dtype=torch.int64, device="cuda")
     do = torch.randn_like(inputs.q)
 
-    def step():
-        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    def step(dropout_seed):
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1, dropout_seed=dropout_seed)
         return [out, *torch.autograd.grad(out, leaves, do)]
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()
+        step(seed)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(seed)
     for value in (21, 22):
         seed.fill_(value)
         graph.replay()
         torch.cuda.synchronize()
-        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.1, dropout_seed=value)
-        want = [out, *torch.autograd.grad(out, leaves, do)]
-        assert_equal_bits(captured, want, f"captured, seed {value}")
+        assert_equal_bits(captured, step(value), f"captured, seed {value}")
