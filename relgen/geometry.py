@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,8 +327,31 @@ class Geometry:
         key = (name, dtype, self.c, str(device))
         table = self.plan.constants
         if key not in table:
-            table[key] = torch.tensor(values(), dtype=dtype, device=device).contiguous()
+            table[key] = _outside_graph_pools(lambda: torch.tensor(values(), dtype=dtype, device=device))
         return table[key]
 
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:
         return GradientBuffer(self, device)
+
+
+def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make() on a thread of its own, for a CUDA tensor kept across calls. A CUDA graph's warm-up run (torch.compile's
+    mode='reduce-overhead' warms up before it captures) sends the calling thread's allocations to the graph's
+    private pool, where a tensor that outlives the graph's outputs is an error ("tensor(s) in the cudagraph pool
+    not tracked as outputs"); another thread allocates from the ordinary pool. make() must wait for its own copies
+    (a host-to-device copy that is not non_blocking does)."""
+    made: list[torch.Tensor] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            made.append(make())
+        except BaseException as err:  # re-raised in the caller's thread
+            failed.append(err)
+
+    worker = threading.Thread(target=run, name="relgen-device-constant")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return made[0]

@@ -306,6 +306,28 @@ def test_eager_calls_replay_from_a_captured_cuda_graph(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["deberta_v3", "t5"])
+def test_a_first_call_under_cuda_graphs_builds_its_constants_outside_the_graphs_pool(name):
+    """The plan's device constants (the copy map β, the fold runs) are built by the first call that needs them and
+    kept. When that call is torch.compile's CUDA-graph warm-up, they must not come from the graph's private pool:
+    cudagraph trees reject a tensor there that outlives the outputs (twenty-second session, call 2)."""
+    spec = load(name)
+    fn = relgen.compile_mechanism(spec)
+    fn.module.PLAN.constants.clear()  # as in a fresh process
+    inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), mode="reduce-overhead", fullgraph=True)
+    steps = []
+    for _ in range(3):  # warm-up (builds the constants), capture, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        steps.append(_run(compiled, inputs, {}))
+    assert fn.module.PLAN.constants, "the spec keeps device constants (else this test shows nothing)"
+    want = _run(fn, inputs, {})
+    for step, got in enumerate(steps):
+        assert_equal_bits(got, want, f"{name} step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["deberta_v3", "t5"])
 def test_dropout_in_compiled_cuda_graphs_reads_its_seed_tensor(name):
     """Dropout replayed from torch.compile's CUDA graphs (mode='reduce-overhead', no graph skipped): a seed tensor
     updated in place between steps draws each step's own mask, bit for bit what an eager call with that int seed
@@ -314,6 +336,7 @@ def test_dropout_in_compiled_cuda_graphs_reads_its_seed_tensor(name):
 
     spec = load(name)
     fn = relgen.compile_mechanism(spec)
+    fn.module.PLAN.constants.clear()  # the first call is the compiled one (see the test below)
     inputs = make_inputs(spec, b=2, h=4, nq=1000, d=64, dtype=torch.float16, device="cuda", seed=8)
     seed = torch.zeros(1, dtype=torch.int64, device="cuda")
     compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), mode="reduce-overhead", fullgraph=True)

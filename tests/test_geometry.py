@@ -110,3 +110,27 @@ def test_gradient_buffer_precision_follows_the_inputs(dtype, stored, prec):
     assert geo.gradient_buffer(torch.device("cpu")).dtype == stored
     red = geo.reduction(True)
     assert red.fp32 == (stored == torch.float32) and red.prec == prec
+
+
+def test_device_constants_are_made_on_a_thread_of_their_own():
+    """A CUDA graph's warm-up sends the calling thread's allocations to the graph's pool: a kept constant is made
+    on another thread (relgen.geometry._outside_graph_pools), and its errors still reach the caller."""
+    import threading
+
+    from relgen.geometry import _outside_graph_pools
+
+    caller = threading.current_thread()
+    made_on = []
+
+    def make():
+        made_on.append(threading.current_thread())
+        return torch.arange(3)
+
+    assert torch.equal(_outside_graph_pools(make), torch.arange(3))
+    assert made_on and made_on[0] is not caller
+
+    def fail():
+        raise ValueError("no device")
+
+    with pytest.raises(ValueError, match="no device"):
+        _outside_graph_pools(fail)

@@ -3,7 +3,7 @@
 in a test that had first run the same calls under torch.compile(mode="reduce-overhead"). One variant per process:
 
     python3 …_capture_probe.py VARIANT     (tensor, int, nodropout, after_compile, after_compile_reset,
-                                             nodropout_after_compile)
+                                             nodropout_after_compile, nodropout_after_compile_reset)
 
 prints one JSON line: the variant, whether capture and two replays matched eager calls bit for bit, the error."""
 
