@@ -318,7 +318,7 @@ def test_a_first_call_under_cuda_graphs_builds_its_constants_outside_the_graphs_
     steps = []
     for _ in range(3):  # warm-up (builds the constants), capture, replay
         torch.compiler.cudagraph_mark_step_begin()
-        steps.append(_run(compiled, inputs, {}))
+        steps.append([t.clone() for t in _run(compiled, inputs, {})])  # the next replay overwrites the outputs
     assert fn.module.PLAN.constants, "the spec keeps device constants (else this test shows nothing)"
     want = _run(fn, inputs, {})
     for step, got in enumerate(steps):
