@@ -617,7 +617,10 @@ def _fwd_range(
         p = tl.exp2(x * qk_scale - (m_safe - c)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], rng_nq, rng_nk, dropout_p)
+            # a saturated tile read through TMA lists its keys up, every other tile down (_key_tile)
+            UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
+            j_first = tile * BLOCK_N if UP else j_hi
+            keep = dropout_keep(seed, bh, offs_m, j_first, rng_nq, rng_nk, dropout_p, BLOCK_N, not UP, False)
             p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
@@ -912,19 +915,18 @@ def _probabilities(
     seed,
     dropout_p,
     offs_m,
-    offs_n,
+    j_hi,
     rng_nq,
     rng_nk,
     DROPOUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
     """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P.
-    x, c: the scores as _score_tile gives them."""
+    x, c: the scores as _score_tile gives them, for the keys j_hi, j_hi − 1, … (_key_tile)."""
     p = tl.exp2(x * qk_scale - _along_queries(lse2 - c, KEY_MAJOR))
     if DROPOUT:
-        keep = dropout_keep(
-            seed, bh, _along_queries(offs_m, KEY_MAJOR), _along_keys(offs_n, KEY_MAJOR), rng_nq, rng_nk, dropout_p
-        )
+        keep = dropout_keep(seed, bh, offs_m, j_hi, rng_nq, rng_nk, dropout_p, BLOCK_N, True, KEY_MAJOR)
         p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     else:
         p_kept = p
@@ -1034,7 +1036,7 @@ def _bwd_q_range(
             False,
         )
         p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, False
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, rng_nq, rng_nk, DROPOUT, BLOCK_N, False
         )
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
@@ -1464,7 +1466,7 @@ def _bwd_kv_range(
             False,
         )
         p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, offs_n, rng_nq, rng_nk, DROPOUT, KEY_MAJOR
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, rng_nq, rng_nk, DROPOUT, BLOCK_N, KEY_MAJOR
         )
         if KEY_MAJOR:  # [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand
             dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)

@@ -75,6 +75,26 @@ def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     assert_all_close(results, f"{_id(name)} dropout")
 
 
+def test_dropout_mask_is_one_in_every_tile_order():
+    """The kernels draw a key's number from a Philox call shared by four consecutive keys, and list a tile's keys
+    up (the forward's saturated tiles read through descriptors) or down (every other tile), query-major or, in the
+    key pass, key-major: every order must read the same mask, the one the testing helper regenerates."""
+    import dataclasses
+
+    from relgen import descriptors
+    from relgen.config import INTERPRETER_CONFIG, AttnTiles
+    from relgen.runtime import override_config
+
+    spec = load("t5")  # saturates beyond ±128: saturated tiles at N = 200
+    b, h, n, p, seed = 1, 2, 200, 0.3, 99
+    inputs = make_inputs(spec, b=b, h=h, nq=n, d=16, device=DEVICE, seed=4)
+    keep = dropout_keep_mask((b, h, n, n), p, seed, device=DEVICE)
+    key_major = dataclasses.replace(INTERPRETER_CONFIG, backward_kv=AttnTiles(32, 16, key_major=True))
+    with descriptors.forced(True), override_config(key_major):
+        results = compare(spec, inputs, dropout_p=p, dropout_seed=seed, keep_mask=keep)
+    assert_all_close(results, "t5 dropout, descriptors, key-major key pass")
+
+
 def test_dropout_seed_none_follows_torch_generator():
     spec = load("shaw")
     inputs = make_inputs(spec, b=1, h=2, nq=33, d=16, device=DEVICE)
