@@ -14,3 +14,23 @@ wait
 tail -3 "$OUT/verify/gpu_tests.log"; grep -E "FAILED|ERROR" "$OUT/verify/gpu_tests.log" | head -20
 grep -c '"ms"' "$OUT/compiled_calls_dropout.jsonl"; grep -h error "$OUT/compiled_calls_dropout.jsonl" | cut -c1-900
 python3 benchmarks/compiled_calls.py --report "$OUT/compiled_calls_dropout.jsonl"
+# Call 2 (nvidia-h200, tree 596a629: the dropout CUDA-graph test split in two, the capture probe), after the prefix:
+#   P=benchmarks/results/h200/sessions/2026-12-01_twentysecond_capture_probe.py
+#   for v in tensor int nodropout after_compile after_compile_reset nodropout_after_compile; do
+#       (timeout 240 python3 $P $v >> $OUT/probe.jsonl 2>> $OUT/probe.err) & done; wait
+#   timeout 300 python3 -m pytest -v -n 6 tests/test_compile.py tests/test_features.py \
+#       -k "tensor_seed or seed_tensor or captured" -p no:warnings -rfE > $OUT/gpu_tests.log 2>&1
+# Call 3 (nvidia-h200, tree 678b667: device constants made on a thread of their own):
+#   the probe with tensor after_compile after_compile_reset nodropout_after_compile nodropout_after_compile_reset
+#   (timeout 200 each, in parallel), then
+#   RELGEN_GPU_REPORT=$OUT/gpu_figures.jsonl timeout 450 python3 -m pytest -v -n 12 tests/test_gpu.py \
+#       tests/test_features.py tests/test_compile.py -p no:warnings -rfE > $OUT/gpu_tests.log 2>&1
+# Call 4 (nvidia-h200, tree c110a61):
+#   timeout 240 python3 -m pytest -v -n 4 tests/test_compile.py -k "first_call or compiled_cuda_graphs" \
+#       -p no:warnings -rfE > $OUT/gpu_tests.log 2>&1
+# Call 5 (nvidia-h200): call 6's command without `carry` (no pydantic, nothing ran; 49 s of device time lost)
+# Call 6 (nvidia-h200, tree ac315d8: four draws per Philox call):
+#   timeout 160 python3 -m pytest -v -n 12 tests/test_gpu.py tests/test_features.py tests/test_compile.py \
+#       -k "dropout or features_long or tensor_seed or seed_tensor" -p no:warnings -rfE > $OUT/gpu_tests.log 2>&1
+#   timeout 120 python3 benchmarks/results/h200/sessions/2026-12-01_twentysecond_dropout_ab.py \
+#       --specs t5,deberta_v3 --seq-lens 1024 > $OUT/dropout_ab.jsonl
