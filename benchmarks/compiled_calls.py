@@ -99,7 +99,9 @@ def report(paths: list[Path]) -> str:
             if "ms" in r:
                 kind = r["pass"] + (f", dropout {r['dropout_p']}" if r.get("dropout_p") else "")
                 times.setdefault((r["mechanism"], r["seq_len"], kind, r["system"]), []).append(r["ms"])
-    cases = sorted({key[:3] for key in times}, key=lambda c: (c[0], c[1], "dropout" in c[2], not c[2].startswith("fwd")))
+    cases = sorted(
+        {key[:3] for key in times}, key=lambda c: (c[0], c[1], "dropout" in c[2], not c[2].startswith("fwd"))
+    )
     lines = [
         "| mechanism | N | pass | " + " | ".join(MODES) + " | eager / CUDA graphs |",
         "|---|---|---|" + "---|" * (len(MODES) + 1),

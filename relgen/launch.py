@@ -9,9 +9,9 @@ of the call (benchmarks/results/h200/NOTES.md, "Tenth session").
 `Launcher` keeps the compiled kernel Triton returned under a *fingerprint* of the launch: the integers' values
 (only their width for the kernel's `do_not_specialize` parameters, e.g. a per-step dropout seed, so that a new
 value is no miss), the other arguments' specialisation read in Python, the current device and the keyword
-arguments. A fingerprint
-never merges two launches Triton would tell apart (it tells apart launches Triton merges: that costs one more
-miss, not a wrong kernel), and any argument of a kind it does not know sends the launch through Triton's path.
+arguments. A fingerprint never merges two launches Triton would tell apart (it tells apart launches Triton merges:
+that costs one more miss, not a wrong kernel), and any argument of a kind it does not know sends the launch
+through Triton's path.
 On a hit the launch goes through the compiled kernel's own launcher (`CompiledKernel[grid](*all_args)`), with
 the same stream, launch hooks and scratch allocation as Triton's path. Under the interpreter every launch takes
 Triton's path (there is no compiled kernel to keep).
