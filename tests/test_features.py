@@ -95,6 +95,16 @@ def test_dropout_mask_is_one_in_every_tile_order():
     assert_all_close(results, "t5 dropout, descriptors, key-major key pass")
 
 
+def test_dropout_draws_four_independent_keys_per_call():
+    """The four keys that share a Philox call get its four words, not one word four times: within a group the keep
+    bits agree as often as independent draws would, and each of the four positions keeps 1 − p of its scores."""
+    p = 0.5
+    keep = dropout_keep_mask((1, 2, 64, 256), p, 12345, device=DEVICE).reshape(-1, 4).float()  # 8192 groups
+    assert torch.allclose(keep.mean(0), torch.full((4,), 1 - p), atol=0.03)  # ~5 standard deviations
+    agree = ((keep.sum(1) == 0) | (keep.sum(1) == 4)).float().mean().item()
+    assert abs(agree - (p**4 + (1 - p) ** 4)) < 0.025, agree  # 0.125 if independent (~7 s.d.), 1 if one word
+
+
 def test_dropout_seed_none_follows_torch_generator():
     spec = load("shaw")
     inputs = make_inputs(spec, b=1, h=2, nq=33, d=16, device=DEVICE)
