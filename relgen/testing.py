@@ -169,9 +169,12 @@ def _unravel(flat: int, shape: torch.Size) -> list[int]:
     return out[::-1] if out else [0]
 
 
-def dropout_keep_mask(shape: tuple[int, int, int, int], p: float, seed: int, device="cpu") -> torch.Tensor:
+def dropout_keep_mask(
+    shape: tuple[int, int, int, int], p: float, seed: int | torch.Tensor, device="cpu"
+) -> torch.Tensor:
     """The bool keep mask [B, H, Nq, Nk] (True = kept) that a call with `dropout_p=p, dropout_seed=seed` draws
-    inside the kernels: the same counter-based stream (relgen.dropout), regenerated, never stored."""
+    inside the kernels: the same counter-based stream (relgen.dropout), regenerated, never stored. A tensor seed
+    is read once on the host."""
     from relgen.dropout import keep_mask
 
     if len(shape) != 4:
