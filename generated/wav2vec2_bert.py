@@ -578,10 +578,11 @@ def _fwd_range(
     TMA: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
+    # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each for K
+    # and V (no address tensors in registers, no predicates); every other tile lists its keys down (_key_tile)
+    UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
     for tile in range(lo, hi):
-        if TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW)):
-            # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each
-            # for K and V (no address tensors in registers, no predicates)
+        if UP:
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j_hi = tile * BLOCK_N + BLOCK_N - 1
             k = k_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, HEAD_DIM])
@@ -637,8 +638,6 @@ def _fwd_range(
         p = tl.exp2(x * qk_scale - (m_safe - c)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            # a saturated tile read through TMA lists its keys up, every other tile down (_key_tile)
-            UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
             j_first = tile * BLOCK_N if UP else j_hi
             keep = dropout_keep(seed, bh, offs_m, j_first, rng_nq, rng_nk, dropout_p, BLOCK_N, not UP, False)
             p = tl.where(keep, p / (1.0 - dropout_p), 0.0)

@@ -65,14 +65,13 @@ def _keep_mask_kernel(OUT, seed, dropout_p, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK
     pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed_value(seed), bh, offs_m, pid_n * BLOCK_N, Nq, Nk, dropout_p, BLOCK_N, False, False)
+    keep = dropout_keep(seed, bh, offs_m, pid_n * BLOCK_N, Nq, Nk, dropout_p, BLOCK_N, False, False)
     ptrs = OUT + (bh.to(tl.int64) * Nq + offs_m[:, None]) * Nk + offs_n[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < Nq) & (offs_n[None, :] < Nk))
 
 
-def keep_mask(shape: tuple[int, int, int, int], p: float, seed: int | torch.Tensor, device) -> torch.Tensor:
-    """The bool keep mask [B, H, Nq, Nk] a call with `dropout_p=p, dropout_seed=seed` uses (seed: an int, or a
-    one-element integer tensor on `device`)."""
+def keep_mask(shape: tuple[int, int, int, int], p: float, seed: int, device) -> torch.Tensor:
+    """The bool keep mask [B, H, Nq, Nk] a call with `dropout_p=p, dropout_seed=seed` uses."""
     b, h, nq, nk = shape
     out = torch.empty((b, h, nq, nk), dtype=torch.int8, device=device)
     grid = (triton.cdiv(nq, 32), triton.cdiv(nk, 32), b * h)
