@@ -1,0 +1,150 @@
+"""Patching machinery shared by every integration: find the attention modules a family serves, swap their forward
+for one that runs relgen's kernels, fall back per call, and put everything back.
+
+An `Adapter` knows one family of attention modules (HF DeBERTa-v2's `DisentangledSelfAttention`, T5's `T5Attention`,
+NeMo's `RelPositionMultiHeadAttention`, ...). `patch` walks a module tree, asks each adapter whether it serves a
+module, lets it `prepare` per-module state (the compiled mechanism, ...) and replaces the module's `forward` by an
+instance attribute, so parameters, buffers and `state_dict()` keys stay the model's own. `unpatch` removes that
+attribute. Adapters import their library lazily: `import relgen.integrations` needs neither transformers nor NeMo.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+class Unsupported(Exception):
+    """Raised by an adapter's `prepare` when a module's configuration cannot be served: the message names the
+    option and its value, e.g. ``"position_buckets=0 with max_relative_positions=-1"``."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One family of attention modules.
+
+    `matches(module)` says whether the adapter serves the module (by class, checked without importing its library
+    when possible); `prepare(module)` returns the state the patched forward needs or raises `Unsupported`;
+    `forward(module, state, *args, **kwargs)` computes exactly what the module's own forward returns for the same
+    arguments. It may call `fall_back(module, feature, *args, **kwargs)` for a call it cannot serve.
+    """
+
+    family: str
+    matches: Callable[[nn.Module], bool]
+    prepare: Callable[[nn.Module], Any]
+    forward: Callable[..., Any]
+
+
+_ADAPTERS: list[Adapter] = []
+_ORIGINAL = "_relgen_original_forward"
+_WARNED: set[tuple[str, str]] = set()
+_LOCK = threading.Lock()
+
+
+def register(adapter: Adapter) -> Adapter:
+    """Add an adapter (families register themselves when relgen.integrations is imported)."""
+    if any(a.family == adapter.family for a in _ADAPTERS):
+        raise ValueError(f"an adapter for family {adapter.family!r} is already registered")
+    _ADAPTERS.append(adapter)
+    return adapter
+
+
+def adapters() -> tuple[Adapter, ...]:
+    return tuple(_ADAPTERS)
+
+
+def warn_once(family: str, what: str, message: str) -> None:
+    """One warning per (family, what) in a process: a training loop must not print one per step."""
+    with _LOCK:
+        if (family, what) in _WARNED:
+            return
+        _WARNED.add((family, what))
+    warnings.warn(f"relgen.integrations ({family}): {message}", stacklevel=3)
+
+
+def fall_back(module: nn.Module, feature: str, *args: Any, **kwargs: Any) -> Any:
+    """Run the module's own forward for this call (a feature the kernels cannot serve), with a one-time warning
+    naming the feature."""
+    original = getattr(module, _ORIGINAL, None)
+    if original is None:
+        raise RuntimeError(f"{type(module).__name__} is not patched by relgen")
+    family = getattr(module, "_relgen_family", type(module).__name__)
+    warn_once(family, feature, f"{feature} is not served by relgen's kernels; this call runs the model's own code")
+    return original(*args, **kwargs)
+
+
+def is_patched(module: nn.Module) -> bool:
+    return _ORIGINAL in module.__dict__
+
+
+def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
+    """Patch every supported attention module below (and including) `model` in place; return their qualified names.
+
+    A module whose configuration relgen cannot serve stays on its own code and is named in one warning
+    (`strict=True` raises a `ValueError` naming the option instead). A model with no supported module raises a
+    `ValueError` naming its class.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _load_families()
+    patched: list[str] = []
+    refused: list[str] = []
+    for name, module in model.named_modules():
+        adapter = next((a for a in _ADAPTERS if a.matches(module)), None)
+        if adapter is None:
+            continue
+        label = name or type(module).__name__
+        if is_patched(module):
+            patched.append(label)
+            continue
+        try:
+            state = adapter.prepare(module)
+        except Unsupported as why:
+            if strict:
+                raise ValueError(f"{label} ({type(module).__name__}): relgen cannot serve {why}") from None
+            refused.append(f"{label} ({why})")
+            continue
+        _swap(module, adapter, state)
+        patched.append(label)
+    if refused:
+        warnings.warn("relgen.integrations: left on the model's own code: " + "; ".join(refused), stacklevel=2)
+    if not patched and not refused:
+        families = ", ".join(a.family for a in _ADAPTERS)
+        raise ValueError(
+            f"model: {type(model).__name__} holds no attention module relgen supports (families: {families})"
+        )
+    return patched
+
+
+def unpatch(model: nn.Module) -> list[str]:
+    """Put the original forwards back; return the qualified names of the modules restored."""
+    restored = []
+    for name, module in model.named_modules():
+        if is_patched(module):
+            del module.__dict__["forward"]
+            del module.__dict__[_ORIGINAL]
+            module.__dict__.pop("_relgen_family", None)
+            module.__dict__.pop("_relgen_state", None)
+            restored.append(name or type(module).__name__)
+    return restored
+
+
+def _swap(module: nn.Module, adapter: Adapter, state: Any) -> None:
+    # the bound method as it is now (a subclass's or a hook-wrapped one included), called by fall_back
+    module.__dict__[_ORIGINAL] = module.forward
+    module.__dict__["_relgen_family"] = adapter.family
+    module.__dict__["_relgen_state"] = state
+    forward = functools.partial(adapter.forward, module, state)
+    functools.update_wrapper(forward, type(module).forward)
+    module.__dict__["forward"] = forward
+
+
+def _load_families() -> None:
+    """Import the family modules once (each registers its adapters; none imports its library at import time)."""
+    from relgen.integrations import families  # noqa: F401
