@@ -33,12 +33,18 @@ class Adapter:
     when possible); `prepare(module)` returns the state the patched forward needs or raises `Unsupported`;
     `forward(module, state, *args, **kwargs)` computes exactly what the module's own forward returns for the same
     arguments. It may call `fall_back(module, feature, *args, **kwargs)` for a call it cannot serve.
+
+    `attention=False` marks a helper of a family rather than an attention module (DeBERTa's encoder, which hands
+    its layers the [B, N] padding mask instead of an N×N one): it is patched and unpatched with the rest, but not
+    named in `patch`'s result nor counted as a supported module, and a helper whose `prepare` refuses is skipped
+    without a warning.
     """
 
     family: str
     matches: Callable[[nn.Module], bool]
     prepare: Callable[[nn.Module], Any]
     forward: Callable[..., Any]
+    attention: bool = True
 
 
 _ADAPTERS: list[Adapter] = []
@@ -71,12 +77,22 @@ def warn_once(family: str, what: str, message: str) -> None:
 def fall_back(module: nn.Module, feature: str, *args: Any, **kwargs: Any) -> Any:
     """Run the module's own forward for this call (a feature the kernels cannot serve), with a one-time warning
     naming the feature."""
-    original = getattr(module, _ORIGINAL, None)
-    if original is None:
-        raise RuntimeError(f"{type(module).__name__} is not patched by relgen")
+    original = _original(module)
     family = getattr(module, "_relgen_family", type(module).__name__)
     warn_once(family, feature, f"{feature} is not served by relgen's kernels; this call runs the model's own code")
     return original(*args, **kwargs)
+
+
+def run_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run the module's own forward without a warning (a helper passing a call through unchanged)."""
+    return _original(module)(*args, **kwargs)
+
+
+def _original(module: nn.Module) -> Callable[..., Any]:
+    original = getattr(module, _ORIGINAL, None)
+    if original is None:
+        raise RuntimeError(f"{type(module).__name__} is not patched by relgen")
+    return original
 
 
 def is_patched(module: nn.Module) -> bool:
@@ -101,17 +117,21 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
             continue
         label = name or type(module).__name__
         if is_patched(module):
-            patched.append(label)
+            if adapter.attention:
+                patched.append(label)
             continue
         try:
             state = adapter.prepare(module)
         except Unsupported as why:
+            if not adapter.attention:
+                continue
             if strict:
                 raise ValueError(f"{label} ({type(module).__name__}): relgen cannot serve {why}") from None
             refused.append(f"{label} ({why})")
             continue
         _swap(module, adapter, state)
-        patched.append(label)
+        if adapter.attention:
+            patched.append(label)
     if refused:
         warnings.warn("relgen.integrations: left on the model's own code: " + "; ".join(refused), stacklevel=2)
     if not patched and not refused:
@@ -123,15 +143,18 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Put the original forwards back; return the qualified names of the modules restored."""
+    """Put the original forwards back; return the qualified names of the attention modules restored (helpers are
+    restored too, unnamed, as `patch` leaves them out)."""
+    helpers = {a.family for a in _ADAPTERS if not a.attention}
     restored = []
     for name, module in model.named_modules():
         if is_patched(module):
+            if module.__dict__.get("_relgen_family") not in helpers:
+                restored.append(name or type(module).__name__)
             del module.__dict__["forward"]
             del module.__dict__[_ORIGINAL]
             module.__dict__.pop("_relgen_family", None)
             module.__dict__.pop("_relgen_state", None)
-            restored.append(name or type(module).__name__)
     return restored
 
 
