@@ -1,7 +1,0 @@
-# thirteenth session call 3, GPU 1 (cores 16-31): the GPU test suite on the working tree
-set -u
-export CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1
-o=/tmp/y1; mkdir -p $o
-VERIFY_S=${VERIFY_S:-540} taskset -c 16-31 bash benchmarks/h200_session.sh verify $o > $o/verify.out 2>&1
-tar czf $OUT/y1.tgz -C /tmp y1
-tail -3 $o/gpu_tests.log
