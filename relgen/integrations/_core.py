@@ -38,6 +38,9 @@ class Adapter:
     its layers the [B, N] padding mask instead of an N×N one): it is patched and unpatched with the rest, but not
     named in `patch`'s result nor counted as a supported module, and a helper whose `prepare` refuses is skipped
     without a warning.
+
+    `restore(module, state)`, when given, undoes what `prepare` changed outside the module's forward (T5 switches
+    its stack's attention implementation); `unpatch` calls it before putting the forward back.
     """
 
     family: str
@@ -45,6 +48,7 @@ class Adapter:
     prepare: Callable[[nn.Module], Any]
     forward: Callable[..., Any]
     attention: bool = True
+    restore: Callable[[nn.Module, Any], None] | None = None
 
 
 _ADAPTERS: list[Adapter] = []
@@ -149,8 +153,12 @@ def unpatch(model: nn.Module) -> list[str]:
     restored = []
     for name, module in model.named_modules():
         if is_patched(module):
-            if module.__dict__.get("_relgen_family") not in helpers:
+            family = module.__dict__.get("_relgen_family")
+            if family not in helpers:
                 restored.append(name or type(module).__name__)
+            adapter = next((a for a in _ADAPTERS if a.family == family), None)
+            if adapter is not None and adapter.restore is not None:
+                adapter.restore(module, module.__dict__.get("_relgen_state"))
             del module.__dict__["forward"]
             del module.__dict__[_ORIGINAL]
             module.__dict__.pop("_relgen_family", None)
