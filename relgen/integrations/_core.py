@@ -107,14 +107,15 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
     """Patch every supported attention module below (and including) `model` in place; return their qualified names.
 
     A module whose configuration relgen cannot serve stays on its own code and is named in one warning
-    (`strict=True` raises a `ValueError` naming the option instead). A model with no supported module raises a
-    `ValueError` naming its class.
+    (`strict=True` raises a `ValueError` naming the option instead, and leaves the model as it found it). A model
+    with no supported module raises a `ValueError` naming its class.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _load_families()
     patched: list[str] = []
     refused: list[str] = []
+    swapped: list[nn.Module] = []
     for name, module in model.named_modules():
         adapter = next((a for a in _ADAPTERS if a.matches(module)), None)
         if adapter is None:
@@ -130,10 +131,13 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
             if not adapter.attention:
                 continue
             if strict:
+                for done in swapped:
+                    _restore(done)
                 raise ValueError(f"{label} ({type(module).__name__}): relgen cannot serve {why}") from None
             refused.append(f"{label} ({why})")
             continue
         _swap(module, adapter, state)
+        swapped.append(module)
         if adapter.attention:
             patched.append(label)
     if refused:
@@ -152,18 +156,22 @@ def unpatch(model: nn.Module) -> list[str]:
     helpers = {a.family for a in _ADAPTERS if not a.attention}
     restored = []
     for name, module in model.named_modules():
-        if is_patched(module):
-            family = module.__dict__.get("_relgen_family")
-            if family not in helpers:
-                restored.append(name or type(module).__name__)
-            adapter = next((a for a in _ADAPTERS if a.family == family), None)
-            if adapter is not None and adapter.restore is not None:
-                adapter.restore(module, module.__dict__.get("_relgen_state"))
-            del module.__dict__["forward"]
-            del module.__dict__[_ORIGINAL]
-            module.__dict__.pop("_relgen_family", None)
-            module.__dict__.pop("_relgen_state", None)
+        if is_patched(module) and _restore(module) not in helpers:
+            restored.append(name or type(module).__name__)
     return restored
+
+
+def _restore(module: nn.Module) -> str | None:
+    """Undo `_swap` (and what the adapter's prepare changed); return the module's family."""
+    family = module.__dict__.get("_relgen_family")
+    adapter = next((a for a in _ADAPTERS if a.family == family), None)
+    if adapter is not None and adapter.restore is not None:
+        adapter.restore(module, module.__dict__.get("_relgen_state"))
+    del module.__dict__["forward"]
+    del module.__dict__[_ORIGINAL]
+    module.__dict__.pop("_relgen_family", None)
+    module.__dict__.pop("_relgen_state", None)
+    return family
 
 
 def _swap(module: nn.Module, adapter: Adapter, state: Any) -> None:
