@@ -1,1 +1,3 @@
 """The families relgen serves: importing this module registers their adapters (each loads its library lazily)."""
+
+from relgen.integrations import hf_deberta  # noqa: F401

@@ -1,0 +1,387 @@
+"""relgen.integrations on Hugging Face DeBERTa-v2/v3: the patched model against the same model's own code in
+float64 (outputs on every row, padded ones included, and every parameter's gradient), fall-backs, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, DebertaV2Model
+
+import relgen.integrations as integrations
+from relgen.integrations import _core
+from relgen.testing import ZERO, assert_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BATCH, LENGTH, VOCAB = 2, 24, 64
+#: DeBERTa-v3's settings at a tiny size: 8 buckets (exact up to |δ| = 4, logarithmic beyond, as v3's 256 are)
+V3 = dict(
+    relative_attention=True,
+    position_buckets=8,
+    max_relative_positions=32,
+    pos_att_type=["p2c", "c2p"],
+    share_att_key=True,
+    norm_rel_ebd="layer_norm",
+    position_biased_input=False,
+)
+
+
+def config(**changes) -> DebertaV2Config:
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **V3,
+    )
+    settings.update(changes)
+    return DebertaV2Config(**settings)
+
+
+def build(cfg: DebertaV2Config, cls: type = DebertaV2Model, seed: int = 0) -> torch.nn.Module:
+    """A random model whose attention scores are of order one (HF's init, std 0.02, makes every softmax almost
+    uniform, which would hide a wrong relative term)."""
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "attention.self" in name or "rel_embeddings" in name:
+                p.normal_(0.0, 0.5 if p.dim() == 2 else 0.2)
+    return model.to(DEVICE)
+
+
+def inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a padding mask: right padding in row 0, left padding in row 1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=g)
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[0, LENGTH - 6 :] = 0
+    mask[1, :5] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def hidden(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def assert_matches_hf(model: torch.nn.Module, run, expect_names: list[str]) -> None:
+    """`model` patched against its own float64 copy left unpatched: the output `run(model)` and every gradient of
+    a random projection of it (every row counts, padded ones included)."""
+    reference = copy.deepcopy(model).double()
+    assert integrations.patch(model) == expect_names
+    out, want = run(model), run(reference)
+    assert out.dtype == torch.float32
+    assert_close(out, want, torch.float32, "output")
+    weight = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    (out.double() * weight).sum().backward()
+    (want * weight).sum().backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (expected[name] is None), name
+        if expected[name] is None:
+            continue
+        if expected[name].abs().max() <= ZERO and name.endswith(".bias"):
+            # a key bias shifts a whole row of scores, so its gradient cancels exactly: fp32 leaves a residue of
+            # the size of the rounding of its weight's gradient, which sums the same terms
+            scale = float(expected[name.removesuffix("bias") + "weight"].abs().max())
+            assert float(p.grad.abs().max()) <= 1e-5 * scale, f"{name}: {float(p.grad.abs().max()):.3g}"
+        else:
+            assert_close(p.grad, expected[name], torch.float32, name)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Every test sees the one-time warnings anew (they are once per process)."""
+    monkeypatch.setattr(_core, "_WARNED", set())
+
+
+def layer_names(n: int) -> list[str]:
+    return [f"encoder.layer.{i}.attention.self" for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# exact against HF
+# ------------------------------------------------------------------------------------------------------------
+def test_v3_log_buckets_match_hf():
+    """Shared projections (key_proj → c2p, query_proj → p2c), both terms, log buckets, LayerNorm-ed embeddings."""
+    ids, mask = inputs()
+    assert_matches_hf(build(config()), lambda m: hidden(m, ids, mask), layer_names(1))
+
+
+def test_separate_projections_clipped_rows_two_layers_match_hf():
+    """share_att_key=False (pos_key_proj), c2p only, unbucketed offsets clipped to [-8, 7] (position_buckets ≤ 0),
+    no LayerNorm on the embeddings, absolute positions added, head dim 32, two layers sharing the table."""
+    cfg = config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        share_att_key=False,
+        pos_att_type=["c2p"],
+        position_buckets=-1,
+        max_relative_positions=8,
+        norm_rel_ebd="none",
+        position_biased_input=True,
+    )
+    ids, mask = inputs(3)
+    assert_matches_hf(build(cfg, seed=4), lambda m: hidden(m, ids, mask), layer_names(2))
+
+
+def test_p2c_only_with_the_convolution_layer_matches_hf():
+    """share_att_key=False (pos_query_proj), p2c only, 4 buckets, and the encoder's convolution after layer 0."""
+    cfg = config(
+        share_att_key=False, pos_att_type=["p2c"], position_buckets=4, max_relative_positions=16, conv_kernel_size=3
+    )
+    ids, mask = inputs(5)
+    assert_matches_hf(build(cfg, seed=6), lambda m: hidden(m, ids, mask), layer_names(1))
+
+
+def test_padded_rows_are_hf_uniform_rows():
+    """A padded query's output is HF's uniform softmax over all keys, not what a key mask alone would give."""
+    model = build(config())
+    _, mask = inputs()
+    attention = model.encoder.layer[0].attention.self
+    states = torch.randn(BATCH, LENGTH, 32, device=DEVICE)
+    rel = model.encoder.get_rel_embedding()
+    want, _ = attention(states, model.encoder.get_attention_mask(mask), rel_embeddings=rel)
+    integrations.patch(model)
+    out, _ = attention(states, mask, rel_embeddings=rel)
+    v = attention.value_proj(states)
+    padded = ~mask.bool()
+    assert_close(out[padded], v.mean(dim=1, keepdim=True).expand_as(v)[padded], torch.float32, "padded rows")
+    assert_close(out, want, torch.float32, "all rows")
+
+
+def test_sequence_classification_checkpoint_round_trip(tmp_path):
+    """A patched classifier trains (loss, gradients, one AdamW step); its state_dict keys are the model's own and
+    the saved checkpoint loads into an unpatched model that then computes the same logits."""
+    cfg = config(num_labels=3)
+    model = build(cfg, DebertaV2ForSequenceClassification)
+    keys = list(model.state_dict().keys())
+    ids, mask = inputs()
+    labels = torch.tensor([0, 2], device=DEVICE)
+    assert integrations.patch(model) == [f"deberta.{name}" for name in layer_names(1)]
+    assert list(model.state_dict().keys()) == keys
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    optimizer.step()
+    torch.save(model.state_dict(), tmp_path / "checkpoint.pt")
+    fresh = build(cfg, DebertaV2ForSequenceClassification, seed=9)
+    fresh.load_state_dict(torch.load(tmp_path / "checkpoint.pt"), strict=True)
+    with torch.no_grad():
+        assert_close(
+            model(input_ids=ids, attention_mask=mask).logits,
+            fresh(input_ids=ids, attention_mask=mask).logits,
+            torch.float32,
+            "logits",
+        )
+
+
+def test_unpatch_restores_the_models_own_bits():
+    ids, mask = inputs()
+    never = build(config(num_hidden_layers=2))
+    model = copy.deepcopy(never)
+    integrations.patch(model)
+    with torch.no_grad():
+        hidden(model, ids, mask)
+    assert integrations.unpatch(model) == layer_names(2)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(hidden(model, ids, mask), hidden(never, ids, mask))
+
+
+def test_deep_copy_of_a_patched_model_runs_its_own_parameters():
+    ids, mask = inputs()
+    model = build(config())
+    integrations.patch(model)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.encoder.layer[0].attention.self.value_proj.weight.mul_(2)
+        assert not torch.equal(hidden(clone, ids, mask), hidden(model, ids, mask))
+    assert _core.is_patched(clone.encoder.layer[0].attention.self) and _core.is_patched(clone.encoder)
+
+
+class _Shapes(TorchDispatchMode):
+    """Records every tensor an operator returns whose shape holds the sequence length twice (N×N)."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length, self.square, self.ops = length, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and list(t.shape).count(self.length) >= 2:
+                self.square.append(f"{func}: {list(t.shape)}")
+        return out
+
+
+def test_nothing_n_by_n_is_built():
+    """Neither the encoder (mask, relative positions) nor the attention builds an N×N tensor, forward or backward;
+    the model's own code does (so the probe can see one)."""
+    ids, mask = inputs()
+    model = build(config())
+    with _Shapes(LENGTH) as probe, torch.no_grad():
+        hidden(model, ids, mask)
+    assert probe.square
+    integrations.patch(model)
+    with _Shapes(LENGTH) as probe:
+        hidden(model, ids, mask).sum().backward()
+    assert probe.ops > 100 and probe.square == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# training options
+# ------------------------------------------------------------------------------------------------------------
+def test_attention_dropout_runs_in_the_kernels():
+    """In training, attention dropout is relgen's own (in-kernel) stream: reproducible from torch's seed, different
+    from the eval output, and the eval output again with p = 0."""
+    ids, mask = inputs()
+    model = build(config(attention_probs_dropout_prob=0.3))
+    integrations.patch(model)
+    with torch.no_grad():
+        expected = hidden(model, ids, mask)
+        model.train()
+        draws = []
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            draws.append(hidden(model, ids, mask))
+        model.encoder.layer[0].attention.self.dropout.p = 0.0
+        without = hidden(model, ids, mask)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert torch.isfinite(draws[0]).all() and not torch.allclose(draws[0], expected)
+    assert_close(without, expected, torch.float32, "train mode, p = 0")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU autocast (the GPU test below covers CUDA autocast)")
+def test_float16_autocast_on_the_cpu():
+    """Under autocast the tables (projections of the fp32 embeddings) reach the kernels in q's dtype."""
+    ids, mask = inputs()
+    model = build(config())
+    reference = copy.deepcopy(model).double()
+    integrations.patch(model)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        out = hidden(model, ids, mask)
+    with torch.no_grad():
+        assert_close(out, hidden(reference, ids, mask), torch.float16, "fp16 autocast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_on_the_gpu(dtype):
+    ids, mask = inputs()
+    model = build(config(num_hidden_layers=2, hidden_size=128, num_attention_heads=2))
+    reference = copy.deepcopy(model).double()
+    integrations.patch(model)
+    with torch.autocast("cuda", dtype=dtype):
+        out = hidden(model, ids, mask)
+    want = hidden(reference, ids, mask)
+    assert_close(out, want, dtype, f"{dtype} autocast")
+    out.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fall-backs: the model's own code, one warning per feature
+# ------------------------------------------------------------------------------------------------------------
+def _patched_pair(**changes):
+    never = build(config(**changes))
+    model = copy.deepcopy(never)
+    integrations.patch(model)
+    return never, model
+
+
+def _warnings_of(call) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [str(w.message) for w in caught if "relgen.integrations" in str(w.message)]
+
+
+def test_output_attentions_falls_back_once(fresh_warnings):
+    never, model = _patched_pair()
+    ids, mask = inputs()
+    with torch.no_grad():
+        want = never(input_ids=ids, attention_mask=mask, output_attentions=True)
+        for round_ in range(2):
+            got, messages = _warnings_of(lambda: model(input_ids=ids, attention_mask=mask, output_attentions=True))
+            assert len(messages) == (1 - round_) and all("output_attentions" in m for m in messages)
+            assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+            assert all(torch.equal(a, b) for a, b in zip(got.attentions, want.attentions, strict=True))
+
+
+def test_float64_falls_back(fresh_warnings):
+    never, model = _patched_pair()
+    never, model = never.double(), model.double()
+    ids, mask = inputs()
+    with torch.no_grad():
+        got, messages = _warnings_of(lambda: hidden(model, ids, mask))
+        assert len(messages) == 1 and "float64" in messages[0]
+        assert torch.equal(got, hidden(never, ids, mask))
+
+
+def test_encoder_arguments_that_fall_back(fresh_warnings):
+    """A 3-D mask and an explicit relative_pos handed to the encoder run HF's code (named once each)."""
+    never, model = _patched_pair()
+    _, mask = inputs()
+    states = torch.randn(BATCH, LENGTH, 32, device=DEVICE)
+    square = mask[:, None, :] * mask[:, :, None]
+    relative = torch.randint(-8, 8, (1, LENGTH, LENGTH), device=DEVICE)
+    with torch.no_grad():
+        for kwargs, feature in (({"attention_mask": square}, "N×N"), ({"relative_pos": relative}, "relative_pos")):
+            kwargs.setdefault("attention_mask", mask)
+            got, messages = _warnings_of(lambda kw=kwargs: model.encoder(states, **kw).last_hidden_state)
+            assert len(messages) == 1 and feature in messages[0], messages
+            assert torch.equal(got, never.encoder(states, **kwargs).last_hidden_state)
+
+
+def test_query_states_and_an_unpatched_encoder_fall_back(fresh_warnings):
+    never, model = _patched_pair()
+    ids, mask = inputs()
+    attention, own = model.encoder.layer[0].attention.self, never.encoder.layer[0].attention.self
+    states, queries = (torch.randn(BATCH, LENGTH, 32, device=DEVICE) for _ in range(2))
+    square = never.encoder.get_attention_mask(mask)
+    rel = never.encoder.get_rel_embedding()
+    with torch.no_grad():
+        got, messages = _warnings_of(lambda: attention(states, square, query_states=queries, rel_embeddings=rel)[0])
+        assert len(messages) == 1 and "query_states" in messages[0]
+        assert torch.equal(got, own(states, square, query_states=queries, rel_embeddings=rel)[0])
+        # a layer patched on its own receives HF's N×N mask from the encoder that was not patched with it
+        layer_only = copy.deepcopy(never)
+        assert integrations.patch(layer_only.encoder.layer[0]) == ["attention.self"]
+        got, messages = _warnings_of(lambda: hidden(layer_only, ids, mask))
+        assert len(messages) == 1 and "N×N attention_mask" in messages[0]
+        assert torch.equal(got, hidden(never, ids, mask))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# configurations relgen refuses
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "option"),
+    [
+        ({"hidden_size": 16}, "head_dim=8"),
+        ({"relative_attention": False}, "relative_attention=False"),
+        ({"pos_att_type": ["p2p"]}, "pos_att_type"),
+        ({"position_buckets": 8, "max_relative_positions": 4}, "position_buckets=8"),
+    ],
+)
+def test_unsupported_configurations(changes, option):
+    never = build(config(**changes))
+    model = copy.deepcopy(never)
+    with pytest.raises(ValueError, match=f"encoder.layer.0.attention.self.*{option}"):
+        integrations.patch(model, strict=True)
+    assert not any(_core.is_patched(m) for m in model.modules())  # the encoder, patched before, is restored
+    with pytest.warns(UserWarning, match=option):
+        assert integrations.patch(model) == []
+    ids, mask = inputs()
+    with torch.no_grad():
+        assert torch.equal(hidden(model, ids, mask), hidden(never, ids, mask))
