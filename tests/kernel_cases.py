@@ -10,7 +10,7 @@ from relgen.verify import Inputs, assert_all_close, compare, make_inputs
 
 __all__ = ["MAP_KINDS", "SPECS", "Inputs", "assert_all_close", "compare", "make_inputs", "random_specs"]
 
-SPECS = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder")
+SPECS = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder", "txl_uv")
 MAP_KINDS = ("identity", "clipped", "t5", "log", "boundaries", "expression")
 
 

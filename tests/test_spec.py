@@ -17,7 +17,7 @@ from relgen.spec import MechanismSpec, SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
-SHIPPED = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder")
+SHIPPED = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder", "txl_uv")
 
 BASE = {"name": "demo", "terms": ["query"], "map": {"kind": "clipped", "min": -4, "max": 4}}
 
@@ -59,6 +59,8 @@ def test_shipped_spec_fields():
     dec = load_spec(SPECS / "t5_decoder.yaml")
     assert dec.causal and dec.terms == ("bias",) and dec.scale_value(64) == 1.0
     assert dec.map == T5Map(kind="t5", num_buckets=32, max_distance=128, bidirectional=False)
+    uv = load_spec(SPECS / "txl_uv.yaml")
+    assert uv.terms == ("query", "bias") and isinstance(uv.map, IdentityMap) and not uv.heads_share_tables
 
 
 def test_defaults():
@@ -124,7 +126,7 @@ def test_scale_values(scale, d, expected):
         ("foo(d)", "unknown function 'foo'"),
         (-1, "positive"),
         ("0", "positive"),
-        ("1/0", "positive"),
+        ("1/0", "division by zero"),
         ("d % 0", "cannot evaluate"),
         ("sqrt()", "cannot evaluate"),
         (True, "expected a number"),
