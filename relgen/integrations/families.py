@@ -1,3 +1,4 @@
 """The families relgen serves: importing this module registers their adapters (each loads its library lazily)."""
 
 from relgen.integrations import hf_deberta  # noqa: F401
+from relgen.integrations import hf_wav2vec2  # noqa: F401
