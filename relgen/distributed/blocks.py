@@ -1,0 +1,94 @@
+"""One (query chunk, key chunk) pair of a sharded call, run through a generated module's own two passes.
+
+relgen's kernels take the absolute positions of a call's first query and first key (`q_offset`, `k_offset`), so
+a pair of chunks is an ordinary call of the module: its offsets δ, rows φ(δ), causal mask and saturated runs are
+those of the gathered sequence. Only the identity map's rows depend on the length a call sees (δ reads row
+δ + L − 1 of 2L − 1): a pair whose positions end at Lb reads rows L − Lb … L + Lb − 2 of the gathered call's table,
+and its table gradient lands there.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from relgen.arguments import Call, prepare_call
+from relgen.distributed.dropout import pair_seed
+from relgen.distributed.sharding import Segment
+
+__all__ = ["Blocks", "Tables"]
+
+#: (aq, ak, bias), None for a term the spec lacks
+Tables = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+#: the row dimension of aq, ak ([H, R, d] or [R, d]) and bias ([H, R] or [R])
+ROW_DIMS = (-2, -2, -1)
+
+
+class Blocks:
+    """The passes of `module` (planned for the gathered length) over chunk pairs of one sharded call.
+
+    `length`: the gathered call's L (identity maps: its tables have 2L − 1 rows); `chunks`: how many chunks the
+    gathered sequence is cut into; `options`: the call's `scale`, `dropout_p`, `dropout_seed` (an int or a
+    one-element tensor: the seed the pairs' seeds derive from)."""
+
+    def __init__(self, module: ModuleType, length: int, chunks: int, options: dict[str, Any]):
+        self.module = module
+        self.plan = module.PLAN
+        self.length = length
+        self.chunks = chunks
+        self.scale = options.get("scale")
+        self.dropout_p = options.get("dropout_p", 0.0)
+        self.seed = options.get("dropout_seed")
+
+    def reaches(self, qs: Segment, ks: Segment) -> bool:
+        """Whether a query of `qs` may attend to a key of `ks`: a causal call skips key chunks wholly in the future."""
+        return not self.plan.causal or ks.start < qs.end
+
+    def table_rows(self, qs: Segment, ks: Segment) -> tuple[int, int] | None:
+        """(first row, row count) of the gathered table that the pair's call reads; None: the whole table."""
+        if not self.plan.length_dependent:
+            return None
+        pair_length = max(qs.end, ks.end)
+        return self.length - pair_length, 2 * pair_length - 1
+
+    def _call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, seed: Any) -> Call:
+        rows = self.table_rows(qs, ks)
+        if rows is not None:
+            tables = tuple(
+                t.narrow(dim, *rows) if t is not None else None for t, dim in zip(tables, ROW_DIMS, strict=True)
+            )
+        return prepare_call(
+            self.plan, q, k, v, *tables, key_padding_mask=kpm, q_offset=qs.start, k_offset=ks.start,
+            dropout_p=self.dropout_p, dropout_seed=seed, scale=self.scale,
+        )  # fmt: skip
+
+    def _pair_call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> Call:
+        seed = pair_seed(self.seed, qs.chunk, ks.chunk, self.chunks) if self.dropout_p else None
+        return self._call(q, k, v, tables, kpm, qs, ks, seed)
+
+    def check(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> None:
+        """relgen's own argument checks (each problem a ValueError naming the argument) on one pair of chunks, with
+        the call's seed as given: run before any transfer, so that a bad call fails on every rank alike."""
+        self._call(q, k, v, tables, kpm, qs, ks, self.seed)
+
+    def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """(O, base-2 lse [B·H·n]) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`."""
+        o, lse2, _, _ = self.module._forward_pass(self._pair_call(q, k, v, tables, kpm, qs, ks), False)
+        return o, lse2
+
+    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2):
+        """(dq, dk, dv, (daq, dak, dbias)) of the pair, given the GATHERED call's O and base-2 lse of the queries
+        `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
+        key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed."""
+        call = self._pair_call(q, k, v, tables, kpm, qs, ks)
+        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, (None,) * 4)
+        return dq, dk, dv, tuple(dtables)
+
+    def add_table_grads(self, totals: list[torch.Tensor | None], dtables, qs: Segment, ks: Segment) -> None:
+        """Add a pair's table gradients to the gathered tables' fp32 totals (in place)."""
+        rows = self.table_rows(qs, ks)
+        for total, grad, dim in zip(totals, dtables, ROW_DIMS, strict=True):
+            if total is not None and grad is not None:
+                (total if rows is None else total.narrow(dim, *rows)).add_(grad)
