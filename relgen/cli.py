@@ -8,8 +8,10 @@
     relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.tune.cli_warmup)
     relgen bench ...                               passed through to relgen.bench.cli.main
 
-A spec that cannot be loaded or analyzed (`SpecError`, `ValueError`) ends the command with one line on stderr,
-``relgen: error: <message>``, and exit status 2; never a traceback.
+A bad spec, a bad argument or a file that cannot be read or written ends the command with one line on stderr,
+``relgen: error: <message>`` naming the file or argument, and exit status 2; never a traceback. An unexpected
+exception (a bug in relgen) is one line ``relgen: internal error: ...`` and exit status 1 (RELGEN_TRACEBACK=1
+re-raises it, traceback included).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 import textwrap
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,12 @@ from relgen.spec import MechanismSpec, SpecError, load_spec
 
 #: Exit status of a command stopped by a bad spec, a bad argument or a missing subcommand.
 EXIT_ERROR = 2
+#: Exit status of an unexpected exception (a bug in relgen, not in its input).
+EXIT_INTERNAL = 1
 DEFAULT_SEQ_LEN = 1024
+#: Longest sequence length the commands accept, the analyzer's own bound (its arrays grow with N): larger values are
+#: refused while the arguments are read, rather than left to run out of memory.
+MAX_SEQ_LEN = 1 << 17
 DTYPE_CHOICES = ("fp16", "bf16", "fp32")
 
 #: Subcommands implemented elsewhere: name → (module, function). Each function takes the argparse Namespace and
@@ -48,6 +56,25 @@ class CommandError(Exception):
     """A problem to report as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as CommandError: one line (with the usage folded in), not usage + message."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise CommandError(f"{message} (usage: {usage})")
+
+
+def _seq_len(text: str) -> int:
+    """An argparse type: a sequence length in [1, MAX_SEQ_LEN]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_SEQ_LEN}, got {text[:40]!r}")
+    return value
+
+
 # ------------------------------------------------------------------------------------------------------------
 # entry point
 # ------------------------------------------------------------------------------------------------------------
@@ -59,19 +86,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args_list[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser
                 return _bench(args_list[1:])
             args = build_parser().parse_args(args_list)
-        except SystemExit as stop:  # argparse: --help, --version or a usage error (already printed)
+        except SystemExit as stop:  # argparse: --help or --version (usage errors are CommandError)
             return _exit_code(stop.code)
         return int(args.handler(args) or 0)
-    except (SpecError, ValueError, CommandError) as err:
-        return _error(str(err))
     except BrokenPipeError:  # e.g. `relgen explain --json ... | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+    except (ValueError, CommandError, NotImplementedError) as err:  # SpecError is a ValueError
+        return _error(str(err))
+    except OSError as err:
+        return _error(os_error_text(err))
+    except RecursionError:
+        return _error("input nested too deeply (maximum recursion depth exceeded)")
+    except MemoryError:
+        return _error("out of memory: the input asks for more than this machine has")
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:
+        if os.environ.get("RELGEN_TRACEBACK"):
+            raise
+        print(f"relgen: internal error: {_one_line(f'{type(err).__name__}: {err}')}", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="relgen",
         description="A compiler for relative-position attention: exact fused Triton kernels from a short spec.",
     )
@@ -81,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="show the analyzer's plan for a spec")
     p.add_argument("spec", metavar="SPEC", help="YAML spec file")
     p.add_argument(
-        "--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="N", help=f"sequence length (default {DEFAULT_SEQ_LEN})"
+        "--seq-len",
+        type=_seq_len,
+        default=DEFAULT_SEQ_LEN,
+        metavar="N",
+        help=f"sequence length (default {DEFAULT_SEQ_LEN})",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(handler=cmd_explain)
@@ -89,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="load and analyze specs")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument(
-        "--seq-len", type=int, default=None, metavar="N", help="sequence length (default: the canonical length)"
+        "--seq-len", type=_seq_len, default=None, metavar="N", help="sequence length (default: the canonical length)"
     )
     p.set_defaults(handler=cmd_validate)
 
@@ -102,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="compare each spec's kernels with the FP64 reference")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument(
-        "--seq-len", type=int, nargs="+", default=None, metavar="N", help="sequence lengths to check (default 1 17 130)"
+        "--seq-len",
+        type=_seq_len,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="sequence lengths to check (default 1 17 130)",
     )
     p.add_argument(
         "--dtype", default=None, choices=DTYPE_CHOICES, help="input dtype (default: fp32 on the CPU, fp16 on a GPU)"
@@ -116,7 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, metavar="PATH", help="table to write (default relgen/tuning_tables/smXY.json)"
     )
     p.add_argument(
-        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+        "--seq-lens",
+        type=_seq_len,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="sequence lengths (default: every bucket)",
     )
     p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
     p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
@@ -131,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
     p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
     p.add_argument(
-        "--seq-lens", type=int, nargs="+", default=None, metavar="N", help="sequence lengths (default: every bucket)"
+        "--seq-lens",
+        type=_seq_len,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="sequence lengths (default: every bucket)",
     )
     p.set_defaults(handler=_hook("warmup"))
 
@@ -150,8 +209,25 @@ def _exit_code(code: Any) -> int:
 
 
 def _error(message: str) -> int:
-    print(f"relgen: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"relgen: error: {_one_line(message)}", file=sys.stderr)
     return EXIT_ERROR
+
+
+def _printable(text: str) -> str:
+    """`text` with each control or other unprintable character (a terminal escape, NUL, U+2028) as a space."""
+    return "".join(c if c.isprintable() or c in "\n\t" else " " for c in text)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(_printable(text).split())
+
+
+def os_error_text(err: OSError) -> str:
+    """An OSError as '<file>: <reason>' (both files of a rename), or its own text when it names no file."""
+    if err.strerror and err.filename is not None:
+        names = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else f"{err.filename}"
+        return f"{names}: {err.strerror}"
+    return str(err) or type(err).__name__
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -162,12 +238,18 @@ def _load(path: str) -> MechanismSpec:
 
 
 def _analyze(path: str, seq_len: int | None) -> tuple[MechanismSpec, Plan]:
-    spec = _load(path)
+    """The spec at `path` and its plan; every problem of the spec as SpecError (or NotImplementedError) whose
+    message starts with `path`."""
     try:
+        spec = _load(path)
         return spec, analyze(spec, seq_len)
-    except (SpecError, ValueError) as err:  # analysis errors do not name the file: add it
-        message = str(err)
-        raise type(err)(message if message.startswith(path) else f"{path}: {message}") from None
+    except (ValueError, NotImplementedError) as err:  # analysis errors do not name the file: add it
+        message = str(err) if str(err).startswith(path) else f"{path}: {err}"
+        raise (NotImplementedError if isinstance(err, NotImplementedError) else SpecError)(message) from None
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to load or analyze (maximum recursion depth exceeded)") from None
+    except MemoryError:
+        raise SpecError(f"{path}: too large to load or analyze (out of memory)") from None
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -184,7 +266,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.specs:
         try:
             _, plan = _analyze(path, args.seq_len)
-        except (SpecError, ValueError) as err:
+        except (ValueError, NotImplementedError) as err:
             status = _error(str(err))
             continue
         print(f"ok  {path}  {plan.summary()}")
@@ -192,7 +274,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def explain_text(spec: MechanismSpec, plan: Plan) -> str:
-    """The plan as a readable table."""
+    """The plan as a readable table (the spec's own text with its unprintable characters as spaces)."""
     n = plan.seq_len
     lines: list[str] = []
 
@@ -201,11 +283,14 @@ def explain_text(spec: MechanismSpec, plan: Plan) -> str:
 
     lines.append(f"{plan.spec_name} at N = {n}  (spec hash {plan.spec_hash})")
     if spec.description:
-        lines.extend(textwrap.wrap(spec.description, width=110, initial_indent="  ", subsequent_indent="  "))
+        lines.extend(
+            textwrap.wrap(_printable(spec.description), width=110, initial_indent="  ", subsequent_indent="  ")
+        )
     lines.append("")
     row("map", _map_text(spec))
     row("terms", " + ".join(_TERM_TEXT[t] for t in plan.terms))
-    row("scale τ", f"{spec.scale if spec.scale is not None else '1/sqrt(d)'}  (= {spec.scale_value(64):.6g} at d = 64)")
+    scale = _one_line(str(spec.scale)) if spec.scale is not None else "1/sqrt(d)"
+    row("scale τ", f"{scale}  (= {spec.scale_value(64):.6g} at d = 64)")
     row("causal", "yes" if plan.causal else "no")
     row("tables", "one per layer, shared by all heads" if plan.heads_share_tables else "one per head")
     length_note = "  (2N − 1: grows with the sequence length)" if plan.length_dependent else ""
@@ -267,7 +352,7 @@ def _map_text(spec: MechanismSpec) -> str:
     fields = spec.map.model_dump()
     kind = fields.pop("kind")
     params = ", ".join(f"{k}={v}" for k, v in fields.items())
-    return f"{kind} ({params})" if params else kind
+    return _one_line(f"{kind} ({params})" if params else kind)
 
 
 def _proof_text(plan: Plan) -> str:
