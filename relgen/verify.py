@@ -7,6 +7,11 @@ the tolerance criterion itself is `relgen.testing.check_close`.
     compare(spec, inputs, ...)    relgen's output and every gradient against relgen.reference.attention
     check_spec(spec, ...)         compare() at a few sequence lengths, as CheckResult rows
     cli_check(args)               `relgen check SPEC... [--seq-len N ...]`
+
+`relgen check` exits 0 when every tensor passed, 1 when a tensor failed or a run raised, and otherwise 2 when a
+spec could not be loaded or a check was not run: a combination relgen does not support here (NotImplementedError,
+e.g. bf16 in Triton's interpreter, whose bf16 dot products are wrong) is reported as NOT RUN with its reason (the
+spec's verdict NOT RUN, or INCOMPLETE when other lengths passed), never as a failure or a pass.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ __all__ = [
 
 #: `relgen check`'s default sequence lengths: one query, an odd length inside one tile, several groups.
 DEFAULT_SEQ_LENS = (1, 17, 130)
+#: Longest length `relgen check` accepts: the FP64 reference holds B·H·N² scores and their gradients (at 8192,
+#: 2 heads: 1 GiB each).
+MAX_CHECK_SEQ_LEN = 8192
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -278,53 +286,68 @@ def format_table(results: Sequence[CheckResult]) -> list[str]:
 
 def cli_check(args: argparse.Namespace) -> int:
     """`relgen check SPEC... [--seq-len N ...]`: exit 0 if every tensor passes, 1 if any fails (or a run raises),
-    2 if a spec cannot be loaded or analyzed (reported, the other specs are still checked)."""
-    from relgen import cli
+    else 2 if a spec cannot be loaded or analyzed or a check is not run (each reported, the other specs are still
+    checked)."""
+    from relgen import cli, codegen
+    from relgen.runtime import SUPPORTED_HEAD_DIMS
 
     seq_lens = tuple(getattr(args, "seq_len", None) or DEFAULT_SEQ_LENS)
-    bad = [n for n in seq_lens if n < 1]
+    bad = [n for n in seq_lens if not 1 <= n <= MAX_CHECK_SEQ_LEN]
     if bad:
-        raise ValueError(f"--seq-len: sequence lengths must be ≥ 1, got {bad[0]}")
+        raise ValueError(
+            f"--seq-len: expected lengths from 1 to {MAX_CHECK_SEQ_LEN} (the FP64 reference holds every score), "
+            f"got {bad[0]}"
+        )
     dtype_name = getattr(args, "dtype", None)
     dtype = _DTYPES[dtype_name] if dtype_name else None
     head_dim = getattr(args, "head_dim", None)
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"--head-dim: expected one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, got {head_dim}")
     device = default_device()
-    status = 0
+    failures = refusals = False
     started = time.perf_counter()
     for path in args.specs:
         try:
-            spec, _ = cli._analyze(path, None)
-        except (ValueError, cli.SpecError) as err:  # SpecError is a ValueError too; be explicit
-            cli._error(str(err))
-            status = cli.EXIT_ERROR
+            spec, plan = cli._analyze(path, None)
+            codegen.PlanValues.of(plan)  # a plan code generation refuses is the spec's problem, not a kernel's
+        except (ValueError, NotImplementedError) as err:
+            cli._error(str(err) if str(err).startswith(path) else f"{path}: {err}")
+            refusals = True
             continue
         t0 = time.perf_counter()
         results: list[CheckResult] = []
         errors: list[str] = []
+        not_run: dict[str, list[int]] = {}  # reason → lengths
         for n in seq_lens:
             try:
                 results.extend(check_spec(spec, (n,), device=device, dtype=dtype, head_dim=head_dim))
+            except NotImplementedError as err:  # unsupported here: neither a pass nor a failure
+                not_run.setdefault(cli._one_line(str(err)), []).append(n)
             except Exception as err:  # a kernel that does not compile or run: a failure, not a crash
-                errors.append(f"N={n}: {type(err).__name__}: {' '.join(str(err).split())}")
+                errors.append(f"N={n}: {type(err).__name__}: {cli._one_line(str(err))}")
         failed = [r for r in results if not r.ok]
         if results:
             r = results[0]
             setting = f"{r.device}, {r.dtype}, d={r.head_dim}, batch 1, 2 heads"
         else:
-            setting = str(device)
+            setting = f"{device}, {dtype_name}" if dtype_name else str(device)
         passed = len(results) - len(failed)
-        verdict = "ok" if not failed and not errors else "FAILED"
+        verdict = "FAILED" if failed or errors else ("INCOMPLETE" if results else "NOT RUN") if not_run else "ok"
         print(f"{verdict}  {path}  {spec.name}  ({setting})  rel-l2 vs FP64 reference")
-        print("\n".join(format_table(results)))
+        if results:
+            print("\n".join(format_table(results)))
         for r in failed:
             print(f"  FAIL N={r.seq_len} {r.tensor}: {r.message}")
         for line in errors:
             print(f"  ERROR {line}")
+        for reason, lengths in not_run.items():
+            print(f"  NOT RUN N={', '.join(map(str, lengths))}: {reason}")
         extra = f", {len(errors)} lengths raised" if errors else ""
+        extra += f", {sum(map(len, not_run.values()))} lengths not run" if not_run else ""
         print(f"  {passed}/{len(results)} tensors passed{extra}  ({time.perf_counter() - t0:.1f} s)")
         sys.stdout.flush()
-        if (failed or errors) and status == 0:
-            status = 1
+        failures = failures or bool(failed or errors)
+        refusals = refusals or bool(not_run)
     if len(args.specs) > 1:
         print(f"total {time.perf_counter() - started:.1f} s")
-    return status
+    return 1 if failures else cli.EXIT_ERROR if refusals else 0

@@ -95,6 +95,47 @@ def test_bad_seq_len_exits_2(capsys):
     assert code == 2 and "--seq-len" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [(["--head-dim", "48"], ["--head-dim", "48"]), (["--seq-len", "9000"], ["--seq-len", "8192", "9000"])],
+)
+def test_bad_settings_exit_2(capsys, argv, words):
+    code = main(["check", str(T5), *argv])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and err.startswith("relgen: error: ") and err.count("\n") == 1
+    assert all(word in err for word in words), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter only (no CUDA GPU)")
+def test_bf16_in_the_interpreter_is_not_run(capsys):
+    # its bf16 tl.dot is wrong: a comparison would report a failure of the interpreter, not of relgen
+    code = main(["check", str(T5), "--dtype", "bf16", "--seq-len", "9"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (2, "")
+    assert out.startswith(f"NOT RUN  {T5}  t5  (cpu, bf16)")
+    assert "NOT RUN N=9: " in out and "interpreter" in out
+    assert "FAIL" not in out and "0/0 tensors passed, 1 lengths not run" in out
+
+
+def test_not_run_exits_2_and_a_failure_exits_1(monkeypatch, capsys):
+    real = runtime.compile_mechanism
+
+    def fake(spec):
+        if spec.name == "t5":
+            raise NotImplementedError("t5: not supported\nhere")
+        fn = real(spec)
+        return lambda *args, **kwargs: fn(*args, **kwargs) * 1.5
+
+    monkeypatch.setattr(runtime, "compile_mechanism", fake)
+    assert main(["check", str(T5), "--seq-len", "2", "3"]) == 2
+    out, _ = capsys.readouterr()
+    assert out.startswith(f"NOT RUN  {T5}  t5") and "NOT RUN N=2, 3: t5: not supported here\n" in out
+    decoder = ROOT / "specs" / "t5_decoder.yaml"
+    assert main(["check", str(T5), str(decoder), "--seq-len", "2"]) == 1
+    out, _ = capsys.readouterr()
+    assert f"FAILED  {decoder}" in out
+
+
 def test_compare_keeps_the_test_suites_api():
     spec = relgen.load_spec(T5)
     inputs = verify.make_inputs(spec, b=1, h=2, nq=5, d=16)
