@@ -41,6 +41,9 @@ class Adapter:
 
     `restore(module, state)`, when given, undoes what `prepare` changed outside the module's forward (T5 switches
     its stack's attention implementation); `unpatch` calls it before putting the forward back.
+
+    `options` names the keyword options of `patch` that `prepare` accepts (NeMo's ``attention_dtype``): `patch`
+    passes each to the `prepare` of the adapters that name it, as a keyword.
     """
 
     family: str
@@ -49,6 +52,7 @@ class Adapter:
     forward: Callable[..., Any]
     attention: bool = True
     restore: Callable[[nn.Module, Any], None] | None = None
+    options: tuple[str, ...] = ()
 
 
 _ADAPTERS: list[Adapter] = []
@@ -103,16 +107,19 @@ def is_patched(module: nn.Module) -> bool:
     return _ORIGINAL in module.__dict__
 
 
-def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
+def patch(model: nn.Module, *, strict: bool = False, **options: Any) -> list[str]:
     """Patch every supported attention module below (and including) `model` in place; return their qualified names.
 
     A module whose configuration relgen cannot serve stays on its own code and is named in one warning
     (`strict=True` raises a `ValueError` naming the option instead, and leaves the model as it found it). A model
-    with no supported module raises a `ValueError` naming its class.
+    with no supported module raises a `ValueError` naming its class. `options` go to the adapters that accept
+    them (`Adapter.options`); one that no adapter serving `model` accepts raises a `ValueError` naming it.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _load_families()
+    if options:
+        _check_options(model, options)
     patched: list[str] = []
     refused: list[str] = []
     swapped: list[nn.Module] = []
@@ -126,7 +133,7 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
                 patched.append(label)
             continue
         try:
-            state = adapter.prepare(module)
+            state = adapter.prepare(module, **{name: options[name] for name in adapter.options if name in options})
         except Unsupported as why:
             if not adapter.attention:
                 continue
@@ -136,6 +143,10 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
                 raise ValueError(f"{label} ({type(module).__name__}): relgen cannot serve {why}") from None
             refused.append(f"{label} ({why})")
             continue
+        except Exception:  # a bad option value, ...: the model is left as it was found
+            for done in swapped:
+                _restore(done)
+            raise
         _swap(module, adapter, state)
         swapped.append(module)
         if adapter.attention:
@@ -148,6 +159,17 @@ def patch(model: nn.Module, *, strict: bool = False) -> list[str]:
             f"model: {type(model).__name__} holds no attention module relgen supports (families: {families})"
         )
     return patched
+
+
+def _check_options(model: nn.Module, options: dict[str, Any]) -> None:
+    """Refuse an option that no adapter serving `model` accepts: it would be ignored without a word."""
+    accepted = {name for m in model.modules() for a in _ADAPTERS if a.matches(m) for name in a.options}
+    for name in options:
+        if name not in accepted:
+            served = ", ".join(sorted(accepted)) or "none"
+            raise ValueError(
+                f"{name}: not an option of the relgen integrations serving {type(model).__name__} (options: {served})"
+            )
 
 
 def unpatch(model: nn.Module) -> list[str]:
