@@ -2,3 +2,4 @@
 
 from relgen.integrations import hf_deberta  # noqa: F401
 from relgen.integrations import hf_wav2vec2  # noqa: F401
+from relgen.integrations import nemo_conformer  # noqa: F401

@@ -1,0 +1,202 @@
+"""NeMo Conformers on relgen's kernels: the ``RelPositionMultiHeadAttention`` of FastConformer and Parakeet encoders
+(``self_attention_model: rel_pos``).
+
+Matched by class name and module (``nemo.collections.asr.parts.submodules.multi_head_attention``); NeMo is never
+imported here, its classes are recognised by name. ``RelPositionMultiHeadAttentionLongformer``
+(``rel_pos_local_attn``, sliding windows with global tokens) is matched only to be named as unsupported, as is a
+head dimension the kernels do not serve (d_model / n_heads outside 16, 32, 64, 128).
+
+The module scores τ·((q_i + u)·k_j + (q_i + v)·p_δ), τ = 1/sqrt(d_k), with p = ``linear_pos(pos_emb)`` and the
+layer's (or the encoder's shared) ``pos_bias_u``, ``pos_bias_v``. Since (q + v)·p = (q + u)·p + (v − u)·p it runs
+as terms [query, bias] on an identity map (the form of ``specs/txl_uv.yaml``): query q + u, table p, bias
+(v − u)·p per head. NeMo's ``pos_emb`` holds 2L − 1 rows for relative positions L − 1 … −(L − 1), L the key
+length; relgen's identity row r holds δ = r − (L − 1), so the rows are flipped. Nothing N×N is formed on this path:
+p and the bias are [H, 2L − 1] tables.
+
+Masks: NeMo passes a [B, T1, T2] bool mask, True = masked, built by the encoder as "query or key is padding" (and,
+with a limited ``att_context_size`` or ``chunked_limited``, a band or chunks as well). Each call checks, in row
+blocks with no N×N temporary, that the mask is exactly the outer form of its real queries (rows not all masked) and
+real keys (columns not all masked); the keys go in as ``key_padding_mask`` and the padded query rows are zeroed
+before ``linear_out``, as NeMo zeroes their attention. Any other mask (a local window, chunks) falls back to NeMo's
+code for the call, with one warning: relgen has no window option yet.
+
+Streaming (cache-aware, ``cache_last_channel``): NeMo's own ``update_cache`` prepends the cache to the keys, and the
+T1 queries are the last of T2 positions: ``q_offset = T2 − T1``.
+
+Precision: under autocast NeMo casts the inputs to fp32 (and keeps fp16 autocast off its projections); its own
+projections run as NeMo runs them, and relgen's kernels get fp32 by default. ``patch(model,
+attention_dtype=torch.bfloat16)`` (or ``torch.float16``, ``torch.float32``) runs the kernels in that dtype instead;
+without autocast and without the option the kernels run in the activations' dtype. A float64 call falls back to
+NeMo's code (the kernels serve fp16, bf16 and fp32). Training-mode attention dropout runs inside the kernels
+(relgen's own random stream).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from relgen.integrations._core import Adapter, Unsupported, fall_back, register
+from relgen.runtime import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Mechanism, compile_mechanism
+
+_MODULE = "nemo.collections.asr.parts.submodules.multi_head_attention"
+_SERVED = "RelPositionMultiHeadAttention"
+_LOCAL = "RelPositionMultiHeadAttentionLongformer"
+
+_TXL_UV = {
+    "name": "txl_uv",
+    "description": "Transformer-XL with u, v folded in: query q + u, table p, bias (v - u)·p (specs/txl_uv.yaml)",
+    "terms": ["query", "bias"],
+    "map": {"kind": "identity"},
+}
+
+_NOT_PADDING = (
+    "an attention mask that is not a padding mask (a limited att_context_size or chunked_limited attention: "
+    "relgen has no local window yet)"
+)
+#: mask elements compared at once by the padding check: bounds its temporaries (two bool blocks) at 32 MiB
+_CHECK_BLOCK = 1 << 24
+
+
+@dataclass(frozen=True)
+class _State:
+    mechanism: Mechanism
+    attention_dtype: torch.dtype | None  # None: fp32 under autocast, else the activations' dtype
+
+
+def _matches(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__module__ == _MODULE and cls.__name__ in (_SERVED, _LOCAL)
+
+
+def _prepare(module: nn.Module, *, attention_dtype: torch.dtype | None = None) -> _State:
+    if attention_dtype is not None and attention_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"attention_dtype: expected None or one of {SUPPORTED_DTYPES}, got {attention_dtype!r}")
+    if type(module).__name__ == _LOCAL:
+        raise Unsupported(
+            "self_attention_model='rel_pos_local_attn' (RelPositionMultiHeadAttentionLongformer: sliding windows "
+            "with global tokens)"
+        )
+    if module.d_k not in SUPPORTED_HEAD_DIMS:
+        raise Unsupported(f"head_dim={module.d_k} (d_model / n_heads; the kernels serve {SUPPORTED_HEAD_DIMS})")
+    return _State(compile_mechanism(_TXL_UV), attention_dtype)
+
+
+def _forward(
+    module: nn.Module,
+    state: _State,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    pos_emb: torch.Tensor,
+    cache: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def own_code(feature: str) -> Any:
+        return fall_back(module, feature, query, key, value, mask, pos_emb, cache=cache)
+
+    autocast = torch.is_autocast_enabled()  # NeMo's own test: under it the inputs go to fp32
+    if not autocast and query.dtype not in SUPPORTED_DTYPES:
+        return own_code(f"{query.dtype} inputs")
+    new_key, new_value, new_query, new_cache = module.update_cache(key=key, value=value, query=query, cache=cache)
+    batch, t1, t2 = new_query.shape[0], new_query.shape[1], new_key.shape[1]
+    if t1 > t2:
+        return own_code("more queries than keys")
+    if pos_emb.dim() != 3 or pos_emb.shape[0] != 1 or pos_emb.shape[1] != 2 * t2 - 1:
+        return own_code("pos_emb not of shape [1, 2·T2 − 1, d_model]")
+    query_valid, key_valid, feature = _padding(mask, batch, t1, t2)
+    if feature is not None:
+        return own_code(feature)
+
+    if autocast:
+        new_query, new_key, new_value = (x.to(torch.float32) for x in (new_query, new_key, new_value))
+    with _nemo_autocast(module):
+        q, k, v = module.forward_qkv(new_query, new_key, new_value)
+        p = module.linear_pos(pos_emb)
+        dtype = state.attention_dtype
+        if dtype is None:
+            dtype = torch.float32 if autocast else q.dtype
+        # relgen's arithmetic in `dtype` exactly: autocast would lower the fold's einsum
+        with torch.autocast(q.device.type, enabled=False):
+            out = _attend(module, state.mechanism, q, k, v, p, key_valid, t2 - t1, dtype).to(v.dtype)
+        out = out.transpose(1, 2).reshape(batch, t1, module.h * module.d_k)
+        if query_valid is not None:
+            out = out.masked_fill(~query_valid[:, :, None], 0.0)  # NeMo zeroes the attention of padded queries
+        out = module.linear_out(out)
+    return out if cache is None else (out, new_cache)
+
+
+def _attend(
+    module: nn.Module,
+    mechanism: Mechanism,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    q_offset: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """relgen's attention [B, H, T1, d_k] of NeMo's projections: query q + u, table p in relgen's identity rows
+    [H, 2·T2 − 1, d_k], bias (v − u)·p [H, 2·T2 − 1]."""
+    heads, d_k = module.h, module.d_k
+    table = p.view(p.shape[1], heads, d_k).flip(0).transpose(0, 1).to(dtype)
+    u, v_bias = module.pos_bias_u.to(dtype), module.pos_bias_v.to(dtype)
+    bias = torch.einsum("hd,hrd->hr", v_bias - u, table)
+    return mechanism(
+        (q.to(dtype) + u[None, :, None, :]),
+        k.to(dtype),
+        v.to(dtype),
+        aq=table,
+        bias=bias,
+        key_padding_mask=key_valid,
+        q_offset=q_offset,
+        scale=1.0 / module.s_d_k,
+        dropout_p=module.dropout_rate if module.training else 0.0,
+    )
+
+
+def _nemo_autocast(module: nn.Module) -> AbstractContextManager:
+    """The context NeMo's forward runs its projections in (fp16 autocast turned to bf16 or fp32), taken from the
+    module's own file so that both paths project alike."""
+    guard = getattr(sys.modules.get(type(module).__module__), "avoid_float16_autocast_context", None)
+    return guard() if guard is not None else nullcontext()
+
+
+def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
+    """(real queries [B, T1], real keys [B, T2], None) for a padding mask, None for "all real"; else (None, None,
+    the feature that keeps the call on NeMo's code).
+
+    NeMo's padding mask masks (i, j) iff query i or key j is padding. Its rows that are not all masked are the real
+    queries and its columns that are not all masked the real keys; the mask is padding iff it equals the outer form
+    of the two, checked in blocks of rows so that no N×N temporary exists beside NeMo's own mask.
+    """
+    if mask is None:
+        return None, None, None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return None, None, f"an attention mask of type {getattr(mask, 'dtype', type(mask).__name__)}"
+    if mask.dim() != 3 or mask.shape[0] not in (1, batch) or tuple(mask.shape[1:]) != (t1, t2):
+        return None, None, "an attention mask not of shape [B, T1, T2]"
+    if not bool(mask.any()):
+        return None, None, None
+    query_valid = ~mask.all(dim=2)
+    key_valid = ~mask.all(dim=1)
+    mismatch = torch.zeros((), dtype=torch.bool, device=mask.device)
+    rows = max(1, _CHECK_BLOCK // (mask.shape[0] * t2))
+    for i in range(0, t1, rows):
+        outer = query_valid[:, i : i + rows, None] & key_valid[:, None, :]
+        # the mask must be the complement of `outer`: agreeing anywhere is a real pair masked or a padded one not
+        mismatch |= (mask[:, i : i + rows] == outer).any()
+    if bool(mismatch):
+        return None, None, _NOT_PADDING
+    query_valid, key_valid = query_valid.expand(batch, t1), key_valid.expand(batch, t2)
+    key_valid = None if bool(key_valid.all()) else key_valid.contiguous()
+    return (None if bool(query_valid.all()) else query_valid), key_valid, None
+
+
+register(Adapter("nemo_conformer", _matches, _prepare, _forward, options=("attention_dtype",)))
