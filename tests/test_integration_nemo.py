@@ -303,6 +303,19 @@ def test_attention_dtype_option(mha):
     assert ok, message
 
 
+def test_recompute_projections_option(mha):
+    """recompute_projections=True: the backward recomputes the relation projections; the same gradients."""
+    torch.manual_seed(0)
+    module = attention(mha)
+    reference = copy_of(mha, module, torch.float64)
+    with pytest.raises(ValueError, match=r"^recompute_projections: expected a bool, got str"):
+        relgen.integrations.patch(module, recompute_projections="yes")
+    relgen.integrations.patch(module, recompute_projections=True)
+    x = torch.randn(2, T, D_MODEL)
+    failures = compare(module, reference, (x, nemo_mask(padded()), positions(mha, x)))
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
 def test_autocast_runs_the_kernels_in_fp32(mha, autocast):

@@ -28,7 +28,9 @@ projections run as NeMo runs them, and relgen's kernels get fp32 by default. ``p
 attention_dtype=torch.bfloat16)`` (or ``torch.float16``, ``torch.float32``) runs the kernels in that dtype instead;
 without autocast and without the option the kernels run in the activations' dtype. A float64 call falls back to
 NeMo's code (the kernels serve fp16, bf16 and fp32). Training-mode attention dropout runs inside the kernels
-(relgen's own random stream).
+(relgen's own random stream). ``patch(model, recompute_projections=True)`` has the backward recompute the
+relation projections instead of keeping them: an identity map keeps H·T1·T2 of them per layer, which at long
+recordings is most of a training step's memory.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ _CHECK_BLOCK = 1 << 24
 class _State:
     mechanism: Mechanism
     attention_dtype: torch.dtype | None  # None: fp32 under autocast, else the activations' dtype
+    recompute_projections: bool
 
 
 def _matches(module: nn.Module) -> bool:
@@ -74,9 +77,13 @@ def _matches(module: nn.Module) -> bool:
     return cls.__module__ == _MODULE and cls.__name__ in (_SERVED, _LOCAL)
 
 
-def _prepare(module: nn.Module, *, attention_dtype: torch.dtype | None = None) -> _State:
+def _prepare(
+    module: nn.Module, *, attention_dtype: torch.dtype | None = None, recompute_projections: bool = False
+) -> _State:
     if attention_dtype is not None and attention_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"attention_dtype: expected None or one of {SUPPORTED_DTYPES}, got {attention_dtype!r}")
+    if not isinstance(recompute_projections, bool):
+        raise ValueError(f"recompute_projections: expected a bool, got {type(recompute_projections).__name__}")
     if type(module).__name__ == _LOCAL:
         raise Unsupported(
             "self_attention_model='rel_pos_local_attn' (RelPositionMultiHeadAttentionLongformer: sliding windows "
@@ -84,7 +91,7 @@ def _prepare(module: nn.Module, *, attention_dtype: torch.dtype | None = None) -
         )
     if module.d_k not in SUPPORTED_HEAD_DIMS:
         raise Unsupported(f"head_dim={module.d_k} (d_model / n_heads; the kernels serve {SUPPORTED_HEAD_DIMS})")
-    return _State(compile_mechanism(_TXL_UV), attention_dtype)
+    return _State(compile_mechanism(_TXL_UV), attention_dtype, recompute_projections)
 
 
 def _forward(
@@ -123,7 +130,7 @@ def _forward(
             dtype = torch.float32 if autocast else q.dtype
         # relgen's arithmetic in `dtype` exactly: autocast would lower the fold's einsum
         with torch.autocast(q.device.type, enabled=False):
-            out = _attend(module, state.mechanism, q, k, v, p, key_valid, t2 - t1, dtype).to(v.dtype)
+            out = _attend(module, state, q, k, v, p, key_valid, t2 - t1, dtype).to(v.dtype)
         out = out.transpose(1, 2).reshape(batch, t1, module.h * module.d_k)
         if query_valid is not None:
             out = out.masked_fill(~query_valid[:, :, None], 0.0)  # NeMo zeroes the attention of padded queries
@@ -133,7 +140,7 @@ def _forward(
 
 def _attend(
     module: nn.Module,
-    mechanism: Mechanism,
+    state: _State,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -148,7 +155,7 @@ def _attend(
     table = p.view(p.shape[1], heads, d_k).flip(0).transpose(0, 1).to(dtype)
     u, v_bias = module.pos_bias_u.to(dtype), module.pos_bias_v.to(dtype)
     bias = torch.einsum("hd,hrd->hr", v_bias - u, table)
-    return mechanism(
+    return state.mechanism(
         (q.to(dtype) + u[None, :, None, :]),
         k.to(dtype),
         v.to(dtype),
@@ -158,6 +165,7 @@ def _attend(
         q_offset=q_offset,
         scale=1.0 / module.s_d_k,
         dropout_p=module.dropout_rate if module.training else 0.0,
+        recompute_projections=state.recompute_projections,
     )
 
 
@@ -199,4 +207,4 @@ def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | No
     return (None if bool(query_valid.all()) else query_valid), key_valid, None
 
 
-register(Adapter("nemo_conformer", _matches, _prepare, _forward, options=("attention_dtype",)))
+register(Adapter("nemo_conformer", _matches, _prepare, _forward, options=("attention_dtype", "recompute_projections")))
