@@ -242,11 +242,11 @@ def test_deberta_names_its_attention_modules_and_not_its_encoder():
 
 
 def test_deberta_strict_names_the_option():
-    model = _deberta(hidden_size=48)  # head dim 24
-    with pytest.raises(ValueError, match=r"deberta\.encoder\.layer\.0\.attention\.self .*head_dim=24"):
+    model = _deberta(hidden_size=20)  # head dim 10
+    with pytest.raises(ValueError, match=r"deberta\.encoder\.layer\.0\.attention\.self .*head_dim=10"):
         integrations.patch(model, strict=True)
     assert not any(_core.is_patched(m) for m in model.modules())
-    with pytest.warns(UserWarning, match=r"layer\.1\.attention\.self \(head_dim=24"):
+    with pytest.warns(UserWarning, match=r"layer\.1\.attention\.self \(head_dim=10"):
         assert integrations.patch(model) == []
 
 

@@ -76,7 +76,7 @@ def _spec(module: nn.Module) -> dict[str, Any]:
         raise Unsupported(f"pos_att_type={types} (neither c2p nor p2c)")
     head_dim = module.attention_head_size
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise Unsupported(f"head_dim={head_dim} (the kernels serve {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        raise Unsupported(f"head_dim={head_dim} (not among the kernels' relgen.runtime.SUPPORTED_HEAD_DIMS)")
     span = module.pos_ebd_size
     if module.position_buckets > 0:
         offset_map = {
