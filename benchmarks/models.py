@@ -1,0 +1,571 @@
+"""Real models on relgen's kernels (relgen.integrations.patch) against the models' own Hugging Face code.
+
+Random-init models of real sizes, from configs built here (no download): DeBERTa-v3-base and T5-base. Weights are
+fp32, computation under autocast in each --dtype (fp32: no autocast), dropout on as in training.
+
+* DeBERTa-v3 fine-tuning step (DebertaV2ForSequenceClassification: forward, backward, AdamW) at N = 512 … 8K with
+  --tokens tokens a batch (B = tokens / N): HF eager against the same model patched.
+* T5-base training step (T5ForConditionalGeneration, N = 512 … 4K encoder tokens, --decoder-len decoder tokens)
+  against HF eager and HF sdpa (`attn_implementation`), and greedy `generate()` throughput (tokens/s, exactly
+  --new-tokens tokens a sequence); only if `patch` serves T5 (else skipped with a message).
+
+Step times are medians of --steps timed steps after --warmup steps (CUDA events; on a CPU, wall time), peak memory
+torch.cuda.max_memory_allocated over the timed steps (parameters, gradients and AdamW's state included). Before
+anything is timed, every system computes the loss and every parameter's gradient on the same batch with the same
+weights, dropout off, and the patched model is compared with the unpatched one: the relative difference of the
+loss, of all gradients together (ℓ2), and the largest max|g_patched − g_hf| / max|g_hf| over the parameters (T5:
+also sdpa against eager, the size of a difference two correct implementations have in that dtype). An unpatched
+model that runs out of memory there is retried with gradient checkpointing (same values, recomputed). Every case
+that runs out of memory is recorded as "OOM". Writes models.json and models.md (date, git commit, command line,
+versions, GPU) into --out.
+
+    python benchmarks/models.py --models deberta,t5 --dtype bf16,fp16 --steps 10 --out DIR
+    python benchmarks/models.py --smoke --dtype fp16,fp32 --out /tmp/models   # tiny sizes, runs on a CPU
+
+On a CPU the kernels run in Triton's interpreter: its times say nothing, and its bf16 dot products are not exact
+(use fp16 or fp32 there); --smoke only proves that every measurement runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before Triton is imported: the kernels then run in its interpreter (--smoke)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import transformers
+from torch import nn
+
+import relgen.integrations
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# models
+# ------------------------------------------------------------------------------------------------------------
+def deberta_config(smoke: bool) -> transformers.DebertaV2Config:
+    """DeBERTa-v3-base (microsoft/deberta-v3-base's config), or a tiny model with the same options."""
+    sizes = (
+        dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64, vocab_size=128)
+        if smoke
+        else dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072)
+    )
+    return transformers.DebertaV2Config(
+        **{"vocab_size": 128100, **sizes},
+        position_buckets=8 if smoke else 256,
+        max_position_embeddings=64 if smoke else 512,
+        max_relative_positions=-1,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False,
+        hidden_act="gelu",
+        layer_norm_eps=1e-7,
+        type_vocab_size=0,
+        num_labels=2,
+    )
+
+
+def t5_config(smoke: bool) -> transformers.T5Config:
+    """T5-base (google-t5/t5-base's config), or a tiny model with the same options."""
+    sizes = (
+        dict(d_model=32, d_kv=16, num_heads=2, num_layers=1, d_ff=64, vocab_size=128)
+        if smoke
+        else dict(d_model=768, d_kv=64, num_heads=12, num_layers=12, d_ff=3072, vocab_size=32128)
+    )
+    return transformers.T5Config(
+        **sizes,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.1,
+        feed_forward_proj="relu",
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its config (real or --smoke size), its model class, the HF attention implementations relgen
+    is measured against, whether generate() is timed, and its default lengths."""
+
+    name: str
+    config: Callable[[bool], transformers.PretrainedConfig]
+    cls: type
+    systems: tuple[str, ...]  # the HF attention implementations relgen is measured against
+    generates: bool
+    lengths: tuple[int, ...]  # the default --seq-lens
+
+
+FAMILIES = {
+    "deberta": Family(
+        "deberta",
+        deberta_config,
+        transformers.DebertaV2ForSequenceClassification,
+        ("eager",),
+        generates=False,
+        lengths=(512, 2048, 4096, 8192),
+    ),
+    "t5": Family(
+        "t5",
+        t5_config,
+        transformers.T5ForConditionalGeneration,
+        ("eager", "sdpa"),
+        generates=True,
+        lengths=(512, 1024, 2048, 4096),
+    ),
+}
+
+
+def build(family: Family, config: transformers.PretrainedConfig, weights: dict, system: str) -> nn.Module:
+    """The family's model for one system with the given weights: HF's own attention (eager, sdpa) or patched."""
+    implementation = "eager" if system == "relgen" else system
+    model = family.cls._from_config(copy.deepcopy(config), attn_implementation=implementation)
+    model.load_state_dict(weights)
+    model.to(DEVICE)
+    if system == "relgen" and not relgen.integrations.patch(model):
+        raise ValueError(f"relgen.integrations.patch serves none of {family.cls.__name__}'s attention modules")
+    return model
+
+
+def batch(family: Family, config: transformers.PretrainedConfig, n: int, size: int, args) -> dict[str, torch.Tensor]:
+    """Random tokens, the last sequence's final eighth padded (the padding path runs), and labels."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(2, config.vocab_size, (size, n), generator=g)
+    mask = torch.ones(size, n, dtype=torch.long)
+    mask[-1, n - n // 8 :] = 0
+    if family.name == "deberta":
+        labels = torch.randint(0, config.num_labels, (size,), generator=g)
+    else:
+        labels = torch.randint(2, config.vocab_size, (size, args.decoder_len), generator=g)
+    return {k: v.to(DEVICE) for k, v in dict(input_ids=ids, attention_mask=mask, labels=labels).items()}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------------------
+def autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(DEVICE, dtype=dtype)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed(fn: Callable[[], Any], warmup: int, steps: int) -> dict[str, Any]:
+    """Median time of `steps` calls after `warmup` calls, and the peak memory over the timed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        for _ in range(steps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        peak = None
+    return {"ms": statistics.median(times), "peak_mib": peak, "times_ms": times}
+
+
+def gradients(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, reference: bool) -> dict:
+    """Loss and every parameter's gradient, dropout off. A reference (an unpatched model) out of memory is retried
+    with gradient checkpointing: the same values, recomputed."""
+    model.eval()
+    try:
+        loss = backward(model, inputs, dtype)
+        checkpointed = False
+    except torch.OutOfMemoryError:
+        if not reference:
+            raise
+        loss = None
+    if loss is None:  # outside the except block: the failed call's tensors are released by now
+        model.zero_grad(set_to_none=True)
+        free_memory()
+        model.gradient_checkpointing_enable()
+        model.train()  # HF checkpoints only in training mode; dropout stays off
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.eval()
+        loss = backward(model, inputs, dtype)
+        model.gradient_checkpointing_disable()
+        checkpointed = True
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return {"loss": loss, "grads": grads, "checkpointed": checkpointed}
+
+
+def backward(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    model.zero_grad(set_to_none=True)
+    with autocast(dtype):
+        loss = model(**inputs).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def difference(candidate: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """The loss's relative difference, the relative ℓ2 difference of all gradients together, and the largest
+    per-parameter max|Δg| / max|g_ref| (with that parameter). A bias is measured against its layer's weight
+    gradient too: a key bias shifts a whole row of scores, so its exact gradient is 0 and what both sides hold is
+    the rounding of a sum of the weight gradient's terms."""
+    if candidate["grads"].keys() != reference["grads"].keys():
+        missing = sorted(candidate["grads"].keys() ^ reference["grads"].keys())
+        raise RuntimeError(f"gradients of different parameters: {missing[:5]}")
+    worst, worst_name, squared_diff, squared_norm = 0.0, None, 0.0, 0.0
+    for name, want in reference["grads"].items():
+        delta = candidate["grads"][name].double() - want.double()
+        squared_diff += float(delta.square().sum())
+        squared_norm += float(want.double().square().sum())
+        scale = float(want.abs().max())
+        weight = reference["grads"].get(name.removesuffix("bias") + "weight") if name.endswith("bias") else None
+        if weight is not None:
+            scale = max(scale, float(weight.abs().max()))
+        diff = float(delta.abs().max())
+        rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+        if rel > worst:
+            worst, worst_name = rel, name
+    return {
+        "loss_rel_diff": abs(candidate["loss"] - reference["loss"]) / max(abs(reference["loss"]), 1e-30),
+        "grad_rel_l2": (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0,
+        "grad_max_rel_diff": worst,
+        "worst_parameter": worst_name,
+    }
+
+
+def train_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
+    """One optimisation step (forward, backward, AdamW; fp16 with a gradient scaler), dropout on."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    scaler = torch.amp.GradScaler(DEVICE, enabled=dtype == torch.float16 and DEVICE == "cuda")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(dtype):
+            loss = model(**inputs).loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+def measure_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
+    """A training step's median time and peak memory."""
+    step = train_step(model, inputs, dtype)
+    result = timed(step, args.warmup, args.steps)
+    del step  # the optimizer's state
+    model.zero_grad(set_to_none=True)
+    return {"step_ms": result["ms"], "peak_mib": result["peak_mib"], "step_times_ms": result["times_ms"]}
+
+
+def measure_generate(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
+    """Greedy decoding of exactly --new-tokens tokens a sequence (random weights would stop at random places)."""
+    model.eval()
+
+    def run() -> None:
+        with torch.no_grad(), autocast(dtype):
+            model.generate(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+            )
+
+    result = timed(run, 1, args.generate_runs)
+    tokens = inputs["input_ids"].shape[0] * args.new_tokens
+    return {"generate_ms": result["ms"], "tokens_per_s": tokens / result["ms"] * 1e3, "peak_mib": result["peak_mib"]}
+
+
+def guarded(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any] | None:
+    """`measure(*args)`, or None if it ran out of memory."""
+    try:
+        result = measure(*args)
+    except torch.OutOfMemoryError:
+        result = None
+    if result is None:  # outside the except block: the failed call's tensors are released by now
+        free_memory()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------------
+# one family
+# ------------------------------------------------------------------------------------------------------------
+def unserved(model: nn.Module) -> str | None:
+    """None if `patch` serves the model (which is then unpatched again), else why not."""
+    try:
+        names = relgen.integrations.patch(model)
+    except ValueError as why:
+        return str(why)
+    relgen.integrations.unpatch(model)
+    return None if names else "patch left every attention module on the model's own code"
+
+
+def run_family(family: Family, args) -> list[dict[str, Any]]:
+    config = family.config(args.smoke)
+    torch.manual_seed(0)
+    model = family.cls(copy.deepcopy(config))
+    why = unserved(model)
+    if why is not None:
+        print(f"[{family.name}] skipped: {why}", flush=True)
+        return [{"model": family.name, "skipped": why}]
+    weights = model.state_dict()
+    del model
+    systems = (*family.systems, "relgen")
+    records = []
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        for n in args.seq_lens or ([16, 32] if args.smoke else family.lengths):
+            size = max(1, args.tokens // n)
+            inputs = batch(family, config, n, size, args)
+            case = {"model": family.name, "dtype": dtype_name, "seq_len": n, "batch": size}
+            grads: dict[str, dict[str, Any]] = {}
+            for system in systems:
+                print(f"[{family.name}] {dtype_name} N={n} B={size} {system}", flush=True)
+                record = {**case, "system": system}
+                model = build(family, config, weights, system)
+                result = measure_system(family, system, model, inputs, dtype, args)
+                del model
+                if "grads" in result:
+                    grads[system] = {"loss": result["loss"], "grads": result.pop("grads")}
+                record.update(result)
+                free_memory()
+                records.append(record)
+                print(f"    {summary(record)}", flush=True)
+            if dtype != torch.float32:
+                grads["eager_fp32"] = fp32_reference(family, config, weights, inputs)
+            records.append({**case, "system": "check", **checks(grads, family.systems)})
+            del grads
+            free_memory()
+    return records
+
+
+def measure_system(family: Family, system: str, model: nn.Module, inputs: dict, dtype: torch.dtype, args) -> dict:
+    """The check's loss and gradients (under "grads"), then the step and generate() measurements; "OOM" for each
+    one that ran out of memory."""
+    record: dict[str, Any] = {}
+    check = guarded(gradients, model, inputs, dtype, system != "relgen")
+    if check is None:
+        record["check"] = "OOM"
+    else:
+        record.update(loss=check["loss"], reference_checkpointed=check["checkpointed"], grads=check["grads"])
+    record.update(guarded(measure_step, model, inputs, dtype, args) or {"step_ms": "OOM"})
+    if family.generates:
+        record["generate"] = guarded(measure_generate, model, inputs, dtype, args) or "OOM"
+    return record
+
+
+def fp32_reference(family: Family, config, weights: dict, inputs: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """HF eager's loss and gradients without autocast: what the autocast dtype's differences are measured against."""
+    print(f"[{family.name}] fp32 reference (eager, no autocast)", flush=True)
+    model = build(family, config, weights, "eager")
+    result = guarded(gradients, model, inputs, torch.float32, True)
+    del model
+    free_memory()
+    return result
+
+
+def checks(grads: dict[str, dict[str, Any] | None], baselines: tuple[str, ...]) -> dict[str, Any]:
+    """relgen against each HF implementation in the same dtype, each further HF implementation against eager, and,
+    under autocast, every system against eager in fp32 (the size of the dtype's own rounding)."""
+    out: dict[str, Any] = {}
+    pairs = [("relgen", b) for b in baselines] + [(b, "eager") for b in baselines if b != "eager"]
+    if "eager_fp32" in grads:
+        pairs += [(system, "eager_fp32") for system in (*baselines, "relgen")]
+    for candidate, reference in pairs:
+        key = f"{candidate}_vs_{reference}"
+        if grads.get(candidate) is not None and grads.get(reference) is not None:
+            out[key] = difference(grads[candidate], grads[reference])
+        else:
+            out[key] = "OOM"
+    return out
+
+
+def summary(record: dict[str, Any]) -> str:
+    parts = [f"step {fmt(record.get('step_ms'))} ms", f"peak {fmt(record.get('peak_mib'))} MiB"]
+    if "generate" in record:
+        parts.append(f"generate {fmt(record['generate'], 'tokens_per_s')} tok/s")
+    return ", ".join(parts)
+
+
+def fmt(value: Any, key: str | None = None, spec: str = ".1f") -> str:
+    if isinstance(value, dict) and key is not None:
+        value = value.get(key)
+    if value is None:
+        return "–"
+    return value if isinstance(value, str) else format(value, spec)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git("rev-parse", "HEAD") + (" (modified tree)" if git("status", "--porcelain", "-uno") else ""),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "none (CPU: Triton's interpreter)",
+    }
+
+
+def markdown(env: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    lines = ["# Real models on relgen (benchmarks/models.py)", ""]
+    lines += [f"- {key}: `{value}`" for key, value in env.items()]
+    lines += ["", "Step: forward, backward and AdamW, median of the timed steps; peak: max_memory_allocated.", ""]
+    lines += ["| model | dtype | N | B | system | step ms | peak MiB | speed-up (eager ms / ms) | peak / eager's |"]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
+    steps = [r for r in records if r.get("system") not in (None, "check")]
+    for r in steps:
+        eager = next(
+            (e for e in steps if e["system"] == "eager" and all(e[k] == r[k] for k in ("model", "dtype", "seq_len"))),
+            None,
+        )
+        speed = ratio(eager and eager.get("step_ms"), r.get("step_ms"))
+        memory = ratio(r.get("peak_mib"), eager and eager.get("peak_mib"))
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {r['batch']} | {r['system']} | "
+            f"{fmt(r.get('step_ms'))} | {fmt(r.get('peak_mib'), spec='.0f')} | {speed} | {memory} |"
+        )
+    generated = [r for r in steps if "generate" in r]
+    if generated:
+        lines += ["", "Greedy generate(), tokens/s (batch × new tokens / time of one call):", ""]
+        lines += ["| dtype | N | B | system | tokens/s | ms a call |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"| {r['dtype']} | {r['seq_len']} | {r['batch']} | {r['system']} | "
+            f"{fmt(r['generate'], 'tokens_per_s', '.0f')} | {fmt(r['generate'], 'generate_ms')} |"
+            for r in generated
+        ]
+    lines += ["", "Loss and gradients, same batch and weights, dropout off (max rel. diff: the largest"]
+    lines += ["max|Δg| / max|g_ref| over the parameters, a bias also against its weight's gradient; `eager_fp32`:"]
+    lines += ["HF eager without autocast, the yardstick of the dtype's own rounding):", ""]
+    lines += [
+        "| model | dtype | N | comparison | loss rel. diff | grads rel. ℓ2 | grad max rel. diff | worst parameter |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|"]
+    for r in (r for r in records if r.get("system") == "check"):
+        for key, value in r.items():
+            if "_vs_" not in key:
+                continue
+            if isinstance(value, str):
+                lines.append(f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {key} | {value} | | | |")
+            else:
+                lines.append(
+                    f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {key} | {value['loss_rel_diff']:.2e} | "
+                    f"{value['grad_rel_l2']:.2e} | {value['grad_max_rel_diff']:.2e} | `{value['worst_parameter']}` |"
+                )
+    lines += [f"- {r['model']}: skipped ({r['skipped']})" for r in records if "skipped" in r]
+    return "\n".join(lines) + "\n"
+
+
+def ratio(numerator: Any, denominator: Any) -> str:
+    if isinstance(numerator, int | float) and isinstance(denominator, int | float) and denominator > 0:
+        return f"{numerator / denominator:.2f}×"
+    return "–"
+
+
+# ------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    def names(text: str) -> list[str]:
+        return [part.strip() for part in text.split(",") if part.strip()]
+
+    def lengths(text: str) -> list[int]:
+        return [int(part) for part in names(text)]
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=names, default=["deberta", "t5"], help="deberta,t5")
+    parser.add_argument(
+        "--seq-lens",
+        type=lengths,
+        default=None,
+        help="default DeBERTa 512,2048,4096,8192, T5 512,1024,2048,4096 (smoke: 16,32)",
+    )
+    parser.add_argument("--dtype", type=names, default=["bf16", "fp16"], help="autocast dtypes: bf16,fp16,fp32")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10, smoke 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, smoke 1)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens a batch, B = tokens / N (8192; smoke 32)")
+    parser.add_argument("--decoder-len", type=int, default=None, help="T5 decoder tokens (default 128, smoke 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="generate(): tokens (default 64, smoke 4)")
+    parser.add_argument("--generate-runs", type=int, default=None, help="timed generate() calls (default 3)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for models.json and models.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (proves the script on a CPU)")
+    args = parser.parse_args(argv)
+    defaults = dict(
+        steps=1 if args.smoke else 10,
+        warmup=1 if args.smoke else 3,
+        tokens=32 if args.smoke else 8192,
+        decoder_len=8 if args.smoke else 128,
+        new_tokens=4 if args.smoke else 64,
+        generate_runs=1 if args.smoke else 3,
+    )
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for name in args.models:
+        if name not in FAMILIES:
+            parser.error(f"--models: expected names among {', '.join(FAMILIES)}, got {name!r}")
+    for name in args.dtype:
+        if name not in DTYPES:
+            parser.error(f"--dtype: expected names among {', '.join(DTYPES)}, got {name!r}")
+    if any(n < 1 or n > args.tokens for n in args.seq_lens or ()):
+        parser.error(f"--seq-lens: expected lengths in [1, --tokens={args.tokens}], got {args.seq_lens}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = environment()
+    records: list[dict[str, Any]] = []
+    for name in args.models:
+        records += run_family(FAMILIES[name], args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "models.json").write_text(json.dumps({"environment": env, "records": records}, indent=1) + "\n")
+    (args.out / "models.md").write_text(markdown(env, records))
+    print(f"wrote {args.out / 'models.json'} and {args.out / 'models.md'}")
+
+
+if __name__ == "__main__":
+    main()
