@@ -13,7 +13,8 @@ offsets clipped to [−span, span − 1] when `position_buckets` ≤ 0; τ = 1/s
 The encoder (a helper, not named by `patch`) hands its layers the [B, N] padding mask instead of HF's N×N one and
 builds no `relative_pos`: the kernels take the mask as `key_padding_mask`. A padded query row gets what HF gives it,
 a uniform softmax over all keys (mean_j v_j, gradients included). Attention dropout in training runs in the kernels
-(`dropout_p`), from relgen's own random stream: a training step with attention dropout is not HF's bit for bit.
+(`dropout_p`), from relgen's own random stream: a training step with attention dropout is not HF's bit for bit
+(a padded row then gets its mean without dropout; only padded rows read it).
 
 These run the model's own code for the call, with one warning per feature: `output_attentions`, `query_states` (the
 enhanced mask decoder), an explicit `relative_pos`, a 3-D/4-D attention mask (also what every layer sees when its
