@@ -126,7 +126,7 @@ def test_scale_values(scale, d, expected):
         ("foo(d)", "unknown function 'foo'"),
         (-1, "positive"),
         ("0", "positive"),
-        ("1/0", "positive"),
+        ("1/0", "division by zero"),
         ("d % 0", "cannot evaluate"),
         ("sqrt()", "cannot evaluate"),
         (True, "expected a number"),
