@@ -9,20 +9,21 @@ so that φ(δ) = β(s(δ)) (bucket copies Ã = E·A); G the group size; Ω_g the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
-import sympy
 
+from relgen.limits import MAX_SEQ_LEN, quoted
 from relgen.maps import ExpressionMap, IdentityMap
-from relgen.spec import HasTerms, MechanismSpec, SpecError, load_spec
+from relgen.spec import DEFAULT_SCALE, HasTerms, MechanismSpec, SpecError, load_spec
 
 #: Query/key group size G: the largest tile, so every tile reads one group's window.
 GROUP_SIZE = 128
 #: Longest window tried when searching the length from which a map's saturation provably holds.
 MAX_CANONICAL_LENGTH = 1 << 16
-#: Offset magnitude standing in for ±∞ when checking that a monotone map kind has reached its limit row.
+#: Offset magnitude standing in for ±∞ when checking that a map has reached its limit row (beyond any window).
 _FAR = 1 << 30
 
 Path = Literal["offset", "atomic"]
@@ -105,7 +106,9 @@ class Plan(HasTerms):
         return None
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        # fields one level deep, not dataclasses.asdict: its deep copy of an identity map's 2N − 1 spans takes seconds
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["cost"] = dict(self.cost)
         data["row_spans"] = [{"row": s.row, "intervals": [list(i) for i in s.intervals]} for s in self.row_spans]
         data["saturation"] = {"low": self.saturation_low, "high": self.saturation_high}
         data["expanded_rows"] = self.expanded_rows
@@ -138,12 +141,11 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
     Without `seq_len`, the canonical length is used: the shortest power of two from which the saturation
     bounds provably hold for every longer sequence (the plan code generation is specialised on).
     """
+    n = _positive_int(seq_len, "seq_len", MAX_SEQ_LEN) if seq_len is not None else None
+    _positive_int(head_dim, "head_dim")
     spec = load_spec(spec)
-    if seq_len is None:
-        seq_len = canonical_length(spec)
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-    n = seq_len
+    if n is None:
+        n = canonical_length(spec)
     deltas = np.arange(-(n - 1), n)
     try:
         rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
@@ -151,11 +153,11 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
         raise SpecError(f"field 'map': {err}") from None
     num_rows = spec.map.num_rows(n)
 
-    spans = _row_spans(rows, deltas)
-    contiguous = all(s.contiguous for s in spans)
+    spans, row_order = _row_spans(rows, deltas)
+    contiguous = len(row_order) == sum(len(s.intervals) for s in spans)
     low, high = _saturation(rows, deltas, spec.causal)
     proven = _saturation_proven(spec, rows, deltas, low, high)
-    copy_map = tuple(int(rows[low - deltas[0] + s]) for s in range(high - low + 1))
+    copy_map = tuple(rows[low - deltas[0] : high - deltas[0] + 1].tolist())
     c = high - low + 1
     g = GROUP_SIZE
     window = min(c, n + g - 1)
@@ -167,14 +169,14 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
         terms=spec.terms,
         causal=spec.causal,
         heads_share_tables=spec.heads_share_tables,
-        scale=str(spec.scale) if spec.scale is not None else "1/sqrt(d)",
+        scale=str(spec.scale) if spec.scale is not None else DEFAULT_SCALE,
         rows=num_rows,
         length_dependent=spec.map.length_dependent,
         contiguous=contiguous,
         path="offset" if contiguous else "atomic",
-        row_spans=tuple(spans),
-        row_order=tuple(s.row for s in sorted(spans, key=lambda s: s.intervals[0][0])),
-        unreached_rows=tuple(sorted(set(range(num_rows)) - {s.row for s in spans})),
+        row_spans=spans,
+        row_order=row_order,
+        unreached_rows=tuple(np.setdiff1d(np.arange(num_rows), rows).tolist()),
         saturation_low=low,
         saturation_high=high,
         saturation_proven=proven,
@@ -187,15 +189,36 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
     )
 
 
-def _row_spans(rows: np.ndarray, deltas: np.ndarray) -> list[RowSpan]:
-    """Group consecutive offsets by row: each maximal run of one row is an interval."""
+def _positive_int(value: Any, name: str, most: int | None = None) -> int:
+    """`value` as an int in [1, most], else a ValueError naming it."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = 0
+    if isinstance(value, bool) or n < 1 or (most is not None and n > most):
+        bound = f" of at most {most}" if most is not None else ""
+        raise ValueError(f"{name} must be a positive integer{bound}, got {quoted(value)}")
+    return n
+
+
+def _row_spans(rows: np.ndarray, deltas: np.ndarray) -> tuple[tuple[RowSpan, ...], tuple[int, ...]]:
+    """Group consecutive offsets by row: each maximal run of one row is an interval. Also the rows in the order
+    of their first offset. (Vectorised but for one RowSpan per row: an identity map has 2N − 1 of them.)"""
     change = np.flatnonzero(np.diff(rows)) + 1
     starts = np.concatenate([[0], change])
     ends = np.concatenate([change - 1, [len(rows) - 1]])
-    by_row: dict[int, list[tuple[int, int]]] = {}
-    for a, b in zip(starts, ends, strict=True):
-        by_row.setdefault(int(rows[a]), []).append((int(deltas[a]), int(deltas[b])))
-    return [RowSpan(row, tuple(iv)) for row, iv in sorted(by_row.items())]
+    run_rows = rows[starts]
+    order = np.argsort(run_rows, kind="stable")  # by row, and by offset within a row
+    unique, first = np.unique(run_rows, return_index=True)
+    row_order = tuple(unique[np.argsort(first)].tolist())
+    sorted_rows = run_rows[order]
+    bounds = np.flatnonzero(np.diff(sorted_rows)) + 1
+    intervals = list(zip(deltas[starts][order].tolist(), deltas[ends][order].tolist(), strict=True))
+    cuts = [0, *bounds.tolist(), len(intervals)]
+    spans = tuple(
+        RowSpan(row, tuple(intervals[a:b])) for row, a, b in zip(unique.tolist(), cuts[:-1], cuts[1:], strict=True)
+    )
+    return spans, row_order
 
 
 def _saturation(rows: np.ndarray, deltas: np.ndarray, causal: bool) -> tuple[int, int]:
@@ -232,17 +255,16 @@ def _saturation_proven(spec: MechanismSpec, rows: np.ndarray, deltas: np.ndarray
 def _prove_expression_saturation(
     m: ExpressionMap, low: int, high: int, row_low: int, row_high: int, causal: bool
 ) -> bool:
-    """With sympy: expr(high + t) == row_high and expr(low − t) == row_low for every integer t ≥ 0."""
-    delta = sympy.Symbol("delta", integer=True)
-    t = sympy.Symbol("t", integer=True, nonnegative=True)
-    expr = m.sympy_expr
-    if m.offset == "key_minus_query":
-        expr = expr.subs(delta, -delta)
-    checks = [(high + t, row_high)] + ([] if causal else [(low - t, row_low)])
-    try:
-        return all(sympy.simplify(expr.subs(delta, at) - value) == 0 for at, value in checks)
-    except (TypeError, ValueError, NotImplementedError):  # sympy gives up on some Piecewise forms
-        return False
+    """expr(δ) == row_high for every δ in [high, _FAR] and == row_low for every δ in [−_FAR, low], by interval
+    arithmetic over the expression's tree (`Expression.bounds`): sound, deterministic and linear in its size, where
+    a symbolic proof (sympy's simplify) can take minutes on a small hostile expression."""
+    sign = -1 if m.offset == "key_minus_query" else 1  # the expression sees sign·δ
+
+    def constant_over(first: int, last: int, row: int) -> bool:
+        lo, hi = m.expression.bounds(min(sign * first, sign * last), max(sign * first, sign * last))
+        return lo == hi == row
+
+    return constant_over(high, _FAR, row_high) and (causal or constant_over(-_FAR, low, row_low))
 
 
 def canonical_length(spec: MechanismSpec) -> int:
@@ -254,19 +276,22 @@ def canonical_length(spec: MechanismSpec) -> int:
         return GROUP_SIZE
     n = 16
     while n <= MAX_CANONICAL_LENGTH:
-        low, high, proven = _bounds(spec, n)
-        empirical = isinstance(spec.map, ExpressionMap) and _bounds(spec, 4 * n)[:2] == (low, high)
-        if high < n - 1 and low > -(n - 1) and (proven or empirical):
-            return n
+        deltas, rows = _window(spec, n)
+        low, high = _saturation(rows, deltas, spec.causal)
+        if high < n - 1 and low > -(n - 1):
+            if _saturation_proven(spec, rows, deltas, low, high):
+                return n
+            if isinstance(spec.map, ExpressionMap):
+                longer_deltas, longer_rows = _window(spec, 4 * n)
+                if _saturation(longer_rows, longer_deltas, spec.causal) == (low, high):
+                    return n
         n *= 2
     return MAX_CANONICAL_LENGTH
 
 
-def _bounds(spec: MechanismSpec, n: int) -> tuple[int, int, bool]:
+def _window(spec: MechanismSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
     deltas = np.arange(-(n - 1), n)
-    rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
-    low, high = _saturation(rows, deltas, spec.causal)
-    return low, high, _saturation_proven(spec, rows, deltas, low, high)
+    return deltas, np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
 
 
 def _cost(spec: MechanismSpec, n: int, low: int, high: int, window: int, head_dim: int) -> dict[str, float]:

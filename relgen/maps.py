@@ -1,27 +1,25 @@
 """Offset maps φ: the one place that says which relation row an offset δ = i − j reads.
 
-Each map kind is a declarative Pydantic model with two methods:
+Each map kind is a declarative Pydantic model (strictly typed, bounded by `relgen.limits`) with two methods:
 
 * ``num_rows(length)`` — R, the number of table rows (only the identity map depends on the length);
 * ``row_ids(delta, length)`` — φ(δ) for an integer array of offsets, vectorised.
 
-Row ids are the models' own (see ``../shared/MECHANISMS.md``), so trained tables load unchanged. T5's and
-DeBERTa's buckets are computed with the same float32 torch operations the models use, so even the rounding of
-their logarithms agrees.
+Row ids are the models' own, so trained tables load unchanged. T5's and DeBERTa's buckets are computed with the
+same float32 torch operations the models use, so even the rounding of their logarithms agrees.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Annotated, Literal
 
 import numpy as np
-import sympy
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from relgen.expr import ExpressionError, parse_expression
+from relgen.expr import Expression, ExpressionError, cached_expression
+from relgen.limits import MAX_BOUNDARIES, MAX_EXPRESSION_LENGTH, MAX_OFFSET, MAX_ROWS, quoted
 
 Offset = Literal["query_minus_key", "key_minus_query"]
 
@@ -30,7 +28,7 @@ VALIDATION_RADIUS = 1024
 
 
 class _Map(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     def num_rows(self, length: int) -> int:
         raise NotImplementedError
@@ -70,8 +68,8 @@ class ClippedMap(_Map):
     """Offsets clipped to [min, max]: row = clip(δ, min, max) − min, R = max − min + 1."""
 
     kind: Literal["clipped"]
-    min: int = Field(le=0, description="smallest offset with its own row (≤ 0)")
-    max: int = Field(ge=0, description="largest offset with its own row (≥ 0)")
+    min: int = Field(ge=-MAX_OFFSET, le=0, description="smallest offset with its own row (≤ 0)")
+    max: int = Field(ge=0, le=MAX_OFFSET, description="largest offset with its own row (≥ 0)")
     offset: Offset = "query_minus_key"
 
     def num_rows(self, length: int) -> int:
@@ -85,8 +83,8 @@ class T5Map(_Map):
     """T5's ``_relative_position_bucket(j − i, bidirectional, num_buckets, max_distance)``."""
 
     kind: Literal["t5"]
-    num_buckets: int = Field(32, ge=2)
-    max_distance: int = Field(128, ge=2)
+    num_buckets: int = Field(32, ge=2, le=MAX_ROWS)
+    max_distance: int = Field(128, ge=2, le=MAX_OFFSET)
     bidirectional: bool = True
 
     @model_validator(mode="after")
@@ -128,8 +126,8 @@ class LogMap(_Map):
     """DeBERTa-v2/v3: clamp(make_log_bucket_position(δ) + position_buckets, 0, 2·position_buckets − 1)."""
 
     kind: Literal["log"]
-    position_buckets: int = Field(ge=2, description="DeBERTa's position_buckets (256 in v3)")
-    max_position: int = Field(ge=2, description="DeBERTa's max_relative_positions (512 in v3)")
+    position_buckets: int = Field(ge=2, le=MAX_ROWS // 2, description="DeBERTa's position_buckets (256 in v3)")
+    max_position: int = Field(ge=2, le=MAX_OFFSET, description="DeBERTa's max_relative_positions (512 in v3)")
 
     @model_validator(mode="after")
     def _span(self) -> LogMap:
@@ -162,14 +160,19 @@ class BoundariesMap(_Map):
     """Row = number of boundaries ≤ δ, R = len(boundaries) + 1."""
 
     kind: Literal["boundaries"]
-    boundaries: list[int] = Field(min_length=1)
+    boundaries: list[Annotated[int, Field(ge=-MAX_OFFSET, le=MAX_OFFSET)]] = Field(
+        min_length=1, max_length=MAX_BOUNDARIES
+    )
     offset: Offset = "query_minus_key"
 
     @field_validator("boundaries")
     @classmethod
     def _increasing(cls, values: list[int]) -> list[int]:
         if any(b >= a for a, b in zip(values[1:], values, strict=False)):
-            raise ValueError(f"boundaries must be strictly increasing, got {values}")
+            at = next(i for i in range(1, len(values)) if values[i] <= values[i - 1])
+            raise ValueError(
+                f"boundaries must be strictly increasing, got {values[at - 1]} then {values[at]} at index {at}"
+            )
         return values
 
     def num_rows(self, length: int) -> int:
@@ -179,26 +182,21 @@ class BoundariesMap(_Map):
         return np.searchsorted(np.asarray(self.boundaries), self._signed(delta), side="right")
 
 
-@functools.lru_cache(maxsize=64)
-def _compile_expression(text: str) -> tuple[sympy.Expr, object]:
-    expr = parse_expression(text, variables=("delta",))
-    delta = sympy.Symbol("delta", integer=True)
-    return expr, sympy.lambdify(delta, expr, modules="numpy")
-
-
 class ExpressionMap(_Map):
-    """Row = expr(δ), a sympy expression in ``delta`` with integer values in [0, rows)."""
+    """Row = expr(δ), an expression in ``delta`` (see `relgen.expr`) with integer values in [0, rows)."""
 
     kind: Literal["expression"]
-    expr: str = Field(description="sympy text in the variable `delta`, e.g. 'Min(Abs(delta), 16)'")
-    rows: int = Field(ge=1, description="R, the number of table rows")
+    expr: str = Field(
+        max_length=MAX_EXPRESSION_LENGTH, description="expression in the variable `delta`, e.g. 'Min(Abs(delta), 16)'"
+    )
+    rows: int = Field(ge=1, le=MAX_ROWS, description="R, the number of table rows")
     offset: Offset = "query_minus_key"
 
     @field_validator("expr")
     @classmethod
     def _parses(cls, text: str) -> str:
         try:
-            _compile_expression(text)
+            cached_expression(text, ("delta",))
         except ExpressionError as err:
             raise ValueError(str(err)) from None
         return text
@@ -210,23 +208,22 @@ class ExpressionMap(_Map):
         return self
 
     @property
-    def sympy_expr(self) -> sympy.Expr:
-        return _compile_expression(self.expr)[0]
+    def expression(self) -> Expression:
+        return cached_expression(self.expr, ("delta",))
 
     def num_rows(self, length: int) -> int:
         return self.rows
 
     def row_ids(self, delta: np.ndarray, length: int) -> np.ndarray:
-        fn = _compile_expression(self.expr)[1]
         seen = self._signed(np.asarray(delta, dtype=np.int64))
-        with np.errstate(all="ignore"):
-            values = np.broadcast_to(np.asarray(fn(seen.astype(np.float64)), dtype=np.float64), seen.shape)
+        values = np.broadcast_to(self.expression.evaluate({"delta": seen}), seen.shape)
         rounded = np.round(values)
-        bad = ~np.isfinite(values) | (np.abs(values - rounded) > 1e-9) | (rounded < 0) | (rounded >= self.rows)
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(values) | (np.abs(values - rounded) > 1e-9) | (rounded < 0) | (rounded >= self.rows)
         if bad.any():
             at = int(np.flatnonzero(bad.ravel())[0])
             raise ValueError(
-                f"expr {self.expr!r} gives {float(values.ravel()[at]):g} at delta={int(np.ravel(delta)[at])}: "
+                f"expr {quoted(self.expr)} gives {float(values.ravel()[at]):g} at delta={int(np.ravel(delta)[at])}: "
                 f"expected an integer in [0, rows={self.rows})"
             )
         return rounded.astype(np.int64)

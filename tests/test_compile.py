@@ -141,13 +141,18 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
 
 
 def test_a_map_planned_for_a_wider_window_loads_while_tracing():
-    """A map whose saturation sympy cannot prove is planned for the analysed window; a longer call loads the module
-    planned for a wider one (relgen.runtime._load_wider), which under fullgraph compilation happens at trace time."""
+    """A map whose saturation the analyzer cannot prove (delta - delta) is planned for the analysed window; a longer
+    call loads the module planned for a wider one (relgen.runtime._load_wider), which under fullgraph compilation
+    happens at trace time."""
     spec = relgen.load_spec(
         {
             "name": "sqrt_buckets",
             "terms": ["query", "bias"],
-            "map": {"kind": "expression", "expr": "sign(delta)*Min(floor(sqrt(Abs(delta))), 7) + 7", "rows": 15},
+            "map": {
+                "kind": "expression",
+                "expr": "sign(delta)*Min(floor(sqrt(Abs(delta))), 7) + 7 + delta - delta",
+                "rows": 15,
+            },
         }
     )
     fn = relgen.compile_mechanism(spec)

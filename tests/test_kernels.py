@@ -189,12 +189,13 @@ def test_offset_path_backward_is_bitwise_deterministic(name):
 
 
 def test_unsaturated_expression_map_is_replanned_for_longer_sequences():
-    """A map sympy cannot prove constant beyond the window gets a module planned for the longer window."""
+    """A map the analyzer cannot prove constant beyond the window (interval arithmetic cannot cancel delta - delta)
+    gets a module planned for the longer window."""
     spec = relgen.load_spec(
         {
             "name": "wide",
             "terms": ["bias"],
-            "map": {"kind": "expression", "expr": "floor(Max(Min(delta, 5), -5) / 2) + 5", "rows": 11},
+            "map": {"kind": "expression", "expr": "floor(Max(Min(delta, 5), -5) / 2) + 5 + delta - delta", "rows": 11},
         }
     )
     fn = relgen.compile_mechanism(spec)
