@@ -213,6 +213,17 @@ def test_deep_copy_of_a_patched_model_runs_its_own_parameters():
     assert _core.is_patched(clone.encoder.layer[0].attention.self) and _core.is_patched(clone.encoder)
 
 
+def test_a_patched_model_compiles_whole():
+    """torch.compile(fullgraph=True) traces the patched encoder and attention (relgen's custom ops inside, whose
+    backward tests/test_compile.py covers) and gives the eager patched model's bits."""
+    ids, mask = (t[:, :16] for t in inputs())
+    model = build(config())
+    integrations.patch(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(hidden(compiled, ids, mask), hidden(model, ids, mask))
+
+
 class _Shapes(TorchDispatchMode):
     """Records every tensor an operator returns whose shape holds the sequence length twice (N×N)."""
 
