@@ -448,9 +448,10 @@ def _evaluate(node: _Node, env: Mapping[str, np.ndarray]) -> np.ndarray | float:
 
 # -- interval arithmetic -------------------------------------------------------------------------------------------
 #
-# Sound for the float64 evaluation itself, not only for the reals: IEEE operations round monotonically, so an
-# operation monotone in each argument is bounded by its values at the ends; an infinite end is an overflow that may
-# really occur, so ∞ − ∞, 0·∞, ∞/∞ and ∞ % m (NaN in evaluation) make an interval undefined, and NaN propagates.
+# Sound for the float64 evaluation itself, not only for the reals: IEEE operations (+ − × ÷ √) round
+# monotonically, so an operation monotone in each argument is bounded by its values at the ends; libm's exp, log and
+# pow need not be, so their bounds are widened by an ulp. An infinite end is an overflow that may really occur, so
+# ∞ − ∞, 0·∞, ∞/∞ and ∞ % m (NaN in evaluation) make an interval undefined, and NaN propagates.
 
 Interval = tuple[float, float]
 #: Some value may be NaN: it propagates through every operation (Min(NaN, 5) is NaN too).
@@ -478,6 +479,9 @@ def _bounds(node: _Node, x: Interval) -> Interval:
     args = [_bounds(child, x) for child in node.children]
     if any(math.isnan(a[0]) for a in args):
         return _UNDEFINED
+    if all(a[0] == a[1] for a in args):  # constant over the interval: its value, as `evaluate` computes it
+        value = float(_evaluate(dataclasses.replace(node, children=tuple(_point(a[0]) for a in args)), {}))
+        return _interval(value, value)
     if node.kind == "call":
         return _CALL_BOUNDS[node.name](*args)
     if node.kind == "neg":
@@ -485,6 +489,10 @@ def _bounds(node: _Node, x: Interval) -> Interval:
     if node.kind == "**":
         return _power_bounds(args[0], node.children[1].value or 0.0)
     return _BINARY_BOUNDS[node.kind](*args)
+
+
+def _point(value: float) -> _Node:
+    return _Node("number", 0, 0, value=value)
 
 
 def _sum_bounds(a: Interval, b: Interval) -> Interval:
@@ -528,27 +536,41 @@ def _mod_bounds(a: Interval, m: Interval) -> Interval:
 def _power_bounds(a: Interval, c: float) -> Interval:
     if c == 0:
         return 1.0, 1.0
-    if c < 0:
-        return _quotient_bounds((1.0, 1.0), _power_bounds(a, -c))
+    if c < 0:  # 1 / v^−c, widened: libm's v^c need not be that quotient's rounding
+        low, high = _quotient_bounds((1.0, 1.0), _power_bounds(a, -c))
+        if a[0] == a[1] or math.isnan(low):
+            return low, high
+        return _interval(np.nextafter(low, -math.inf), np.nextafter(high, math.inf))
     if not c.is_integer() and a[0] < 0:
         return _UNDEFINED  # NaN for negative bases
-    ends = (float(np.power(a[0], c)), float(np.power(a[1], c)))
-    if c % 2 == 0 and a[0] < 0 < a[1]:
-        return 0.0, max(ends)  # even powers fall, then rise
-    return _interval(min(ends), max(ends))
+    if c % 2 == 0 and a[0] < 0 < a[1]:  # even powers fall, then rise
+        return 0.0, _libm_ends(lambda v: np.power(v, c), (0.0, max(-a[0], a[1])))[1]
+    if c % 2 == 0 and a[1] <= 0:
+        low, high = _libm_ends(lambda v: np.power(v, c), (-a[1], -a[0]))  # (−v)^c = v^c
+        return low, high
+    return _libm_ends(lambda v: np.power(v, c), a)  # increasing: odd powers, and any power of v ≥ 0
 
 
 def _monotone(
-    f: Callable[[float], float], domain: float = -math.inf, strict: bool = False
+    f: Callable[[float], float], domain: float = -math.inf, strict: bool = False, libm: bool = False
 ) -> Callable[[Interval], Interval]:
-    """The bounds of a function increasing on [domain, ∞) (or (domain, ∞)); undefined outside it."""
+    """The bounds of a function increasing on [domain, ∞) (or (domain, ∞)); undefined outside it. A `libm`
+    function (exp, log) is widened by one ulp each way: its rounding need not be monotone."""
 
     def bounds(a: Interval) -> Interval:
         if a[0] < domain or (strict and a[0] == domain):
             return _UNDEFINED
-        return _interval(f(a[0]), f(a[1]))
+        return _libm_ends(f, a) if libm else _interval(f(a[0]), f(a[1]))
 
     return bounds
+
+
+def _libm_ends(f: Callable[[float], float], a: Interval) -> Interval:
+    """Bounds of an increasing libm function over `a`, one ulp wider each way unless `a` is a single point."""
+    low, high = float(f(a[0])), float(f(a[1]))
+    if a[0] == a[1]:
+        return _interval(low, high)
+    return _interval(np.nextafter(min(low, high), -math.inf), np.nextafter(max(low, high), math.inf))
 
 
 def _abs_bounds(a: Interval) -> Interval:
@@ -559,7 +581,7 @@ def _abs_bounds(a: Interval) -> Interval:
     return 0.0, max(-a[0], a[1])
 
 
-_log = _monotone(np.log, 0.0, strict=True)
+_log = _monotone(np.log, 0.0, strict=True, libm=True)
 
 
 def _log_bounds(a: Interval, base: Interval | None = None) -> Interval:
@@ -580,7 +602,7 @@ def _max_bounds(*args: Interval) -> Interval:
 _CALL_BOUNDS: dict[str, Callable[..., Interval]] = {
     "sqrt": _monotone(np.sqrt, 0.0),
     "log": _log_bounds,
-    "exp": _monotone(np.exp),
+    "exp": _monotone(np.exp, libm=True),
     "abs": _abs_bounds,
     "Abs": _abs_bounds,
     "floor": _monotone(np.floor),
