@@ -46,8 +46,9 @@ MAX_ROWS = 2 * MAX_OFFSET + 1
 #: Largest number of boundaries of a boundaries map: they are spelled out in the spec file.
 MAX_BOUNDARIES = 4096
 
-#: Longest sequence the analyzer plans for: a plan lists every row's offsets, so analysis is linear in the length
-#: (about 0.2 s at this length for an identity map, whose rows grow with it).
+#: Longest sequence the analyzer plans for (relgen explain, and the runtime's plans for windows longer than an
+#: unproven map's): a plan lists every row's offsets, so analysis is linear in the length — about 0.3 s on one core
+#: at this length for an identity map, whose 2N − 1 rows grow with it.
 MAX_SEQ_LEN = 1 << 17
 
 #: Characters of a value quoted in an error message.
