@@ -10,7 +10,9 @@ relgen's kernels take absolute positions (`q_offset`, `k_offset`) and return the
 chunks is an ordinary call of the mechanism's generated module, offset terms and all: no N×N bias exists on
 any rank. The key chunks go round the ring by point-to-point transfers posted before the kernels run on the
 current chunk; the partial outputs merge through their log-sum-exp in fp32; the backward runs the ring again
-with the gathered log-sum-exp, and dK, dV travel with their chunk back to its owner. Modules: `sharding` (who
+with the gathered log-sum-exp, and dK, dV travel with their chunk back to its owner. Dropout draws a mask of
+its own per chunk pair (`relgen.distributed.dropout`): a proper, repeatable mask, but not the unsharded call's
+(`keep_mask` gives it). Packed sequences (cu_seqlens) are not supported. Modules: `sharding` (who
 holds which chunk), `ring` (neighbours, transfers), `blocks` (one chunk pair through the module's passes),
 `merge`, `dropout` (the chunk pairs' streams), `schedule` (the two ring passes), `autograd`, `parallel` (the
 user-facing callable).
