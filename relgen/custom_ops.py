@@ -21,6 +21,7 @@ Under torch.compile:
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,14 +81,24 @@ BACKWARD_SCHEMA = (
 )
 
 _REGISTERED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+#: an op name is defined once per process: two threads defining one would leave the first's registration
+#: destroyed under the second's
+_REGISTERING = threading.Lock()
 
 
 def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """Define (once per module name) the module's forward and backward ops and the autograd formula that joins
-    them; returns `apply(q, k, v, aq, ak, bias, **options) → (o, lse2)`, a differentiable call of the forward op."""
+    """Define (once per module name, whichever thread asks first) the module's forward and backward ops and the
+    autograd formula that joins them; returns `apply(q, k, v, aq, ak, bias, **options) → (o, lse2)`, a
+    differentiable call of the forward op."""
     stem = re.sub(r"\W", "_", module_name)
-    if stem in _REGISTERED:  # the same module imported again: same source (its name holds the source's hash)
+    with _REGISTERING:
+        if stem not in _REGISTERED:  # else the same module imported again: same source (its name holds its hash)
+            _REGISTERED[stem] = _define(stem, passes)
         return _REGISTERED[stem]
+
+
+def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The ops torch.ops.relgen.<stem>_forward / _backward, and their differentiable call."""
 
     def prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor,
                 scale):  # fmt: skip
@@ -178,5 +189,4 @@ def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tens
         )  # fmt: skip
         return o, lse2
 
-    _REGISTERED[stem] = apply
     return apply

@@ -14,12 +14,15 @@ that costs one more miss, not a wrong kernel), and any argument of a kind it doe
 through Triton's path.
 On a hit the launch goes through the compiled kernel's own launcher (`CompiledKernel[grid](*all_args)`), with
 the same stream, launch hooks and scratch allocation as Triton's path. Under the interpreter every launch takes
-Triton's path (there is no compiled kernel to keep).
+Triton's path (there is no compiled kernel to keep), one launch at a time: the interpreter keeps its grid position
+and its patches of triton.language in process-wide state, so launches from several threads would corrupt each
+other.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +34,8 @@ _UNKNOWN = object()
 
 #: launch kinds kept per kernel (least recently used first out): calls of one shape repeat the same few
 CAPACITY = 64
+#: held by every launch in Triton's interpreter (see the module's docstring)
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _width(value: int) -> str:
@@ -59,6 +64,8 @@ class Launcher:
     def __init__(self, kernel: Any):
         self.kernel = kernel
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()  # calls from several threads share the kept kernels
+        self._interpreted = type(kernel).__name__ == "InterpretedFunction"
         self._tail: tuple[int, list[str], list[Any]] = (-1, [], [])
         names = list(inspect.signature(kernel.fn).parameters)
         unspecialised = getattr(kernel, "do_not_specialize", ())
@@ -83,27 +90,37 @@ class Launcher:
                 fingerprint[i] = _width(args[i])
         fingerprint = tuple(fingerprint)
         key = (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
-        compiled = self._compiled.get(key) if key is not None else None
+        compiled = None
+        if key is not None:
+            with self._lock:
+                compiled = self._compiled.get(key)
+                if compiled is not None:
+                    self._compiled.move_to_end(key)
         if compiled is None:
+            if self._interpreted:
+                with _INTERPRETER_LOCK:
+                    self.kernel[grid](*args, **kwargs)
+                return  # (the interpreter returns nothing to keep)
             compiled = self.kernel[grid](*args, **kwargs)
-            if compiled is not None and key is not None:  # (the interpreter returns nothing to keep)
+            if compiled is not None and key is not None:
                 self._keep((_device(), *key[1:]), compiled)  # the first launch may have initialised CUDA
             return
-        self._compiled.move_to_end(key)
         compiled[_grid3(grid)](*args, *self._constexprs(len(args), kwargs))
 
     def _keep(self, key: tuple, compiled: Any) -> None:
-        self._compiled[key] = compiled
-        if len(self._compiled) > CAPACITY:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[key] = compiled
+            if len(self._compiled) > CAPACITY:
+                self._compiled.popitem(last=False)
 
     def _constexprs(self, given: int, kwargs: dict[str, Any]) -> map:
         """The kernel's parameters after the positional ones, in signature order (the compiled kernel's launcher
         takes every parameter, constexprs included; it skips those itself)."""
-        if self._tail[0] != given:
+        tail = self._tail  # read once: another thread may replace it
+        if tail[0] != given:
             rest = list(inspect.signature(self.kernel.fn).parameters.values())[given:]
-            self._tail = (given, [p.name for p in rest], [p.default for p in rest])
-        _, names, defaults = self._tail
+            tail = self._tail = (given, [p.name for p in rest], [p.default for p in rest])
+        _, names, defaults = tail
         return map(kwargs.get, names, defaults)
 
 
