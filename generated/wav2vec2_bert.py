@@ -412,7 +412,6 @@ def _project_columns(
     HEAD_DIM: tl.constexpr,
     BLOCK_W: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
-    CLAMP_FP16: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
@@ -432,8 +431,6 @@ def _project_columns(
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
-        if CLAMP_FP16:
-            z = tl.minimum(tl.maximum(z, -65504.0), 65504.0)
         tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
         if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
             tl.store(
@@ -479,7 +476,6 @@ def _project_kernel(
     GROUP: tl.constexpr,
     SIGN: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
-    CLAMP_FP16: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -513,7 +509,6 @@ def _project_kernel(
         HEAD_DIM,
         BLOCK_W,
         FOLD_BIAS,
-        CLAMP_FP16,
         PREC,
     )
 
@@ -709,7 +704,6 @@ def _attn_fwd_kernel(
     REUSE: tl.constexpr,
     TMA: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    CLAMP_FP16: tl.constexpr,
 ):
     """TMA: K_DESC, V_DESC are tensor descriptors over K and V [B, H, N, d] (boxes [1, 1, BN, d]) that the saturated
     tiles load through; otherwise they are None and every tile loads through pointers.
@@ -752,7 +746,6 @@ def _attn_fwd_kernel(
         HEAD_DIM,
         BLOCK_W,
         False,
-        CLAMP_FP16,
         PREC,
     )
     tl.debug_barrier()  # other threads of this program read those stores back
@@ -2058,7 +2051,6 @@ def _project(x, table, bias, geo, cfg, query_side):
         GROUP=geo.group,
         SIGN=1 if query_side else -1,
         FOLD_BIAS=bias is not None,
-        CLAMP_FP16=geo.clamp_fp16,
         VARLEN=geo.varlen,
         PREC=geo.prec,
         num_warps=c.num_warps,
@@ -2136,7 +2128,6 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         num_warps=c.num_warps,
         num_stages=c.num_stages,
         BLOCK_W=cfg.project.block_w,
-        CLAMP_FP16=geo.clamp_fp16,
     )
     return o, lse2
 
@@ -2320,6 +2311,7 @@ def _backward(do, saved, geo, cfg):
         **_tiles(c),
     )
     daq = dbias = dak = None
+    geo.check_gradient(dzq, True)
     dt, db = _reduce(dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=True, want_bias=False)
     daq, dbias = _fold(dt, db, aq, bias, geo)
     key_units = dz.units(False)
@@ -2374,6 +2366,7 @@ def _forward_pass(call, keep_projections):
     expanded = geo.expand(call.aq, call.ak, call.bias)
     projections = _projections(call.q, call.k, expanded, geo, geo.config, for_forward=True)
     o, lse2 = _forward(call.q, call.k, call.v, projections, expanded, call.kpm, geo, geo.config)
+    geo.check_stored(projections)  # fp16 storage only: no entry left fp16's range
     return o, lse2, projections if keep_projections else (None,) * 4, expanded
 
 

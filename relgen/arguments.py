@@ -1,29 +1,66 @@
-"""Argument checking of a call: every problem is a ValueError that names the argument and what was expected."""
+"""Argument checking of a call: every argument is untrusted, and every problem is a ValueError that names the
+argument and what was expected (NotImplementedError for a combination relgen does not support), raised before
+the argument reaches torch or Triton."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from relgen.config import interpreting, overridden, select_config
-from relgen.expr import parse_expression
-from relgen.geometry import Geometry, PlanInfo
+from relgen.config import capturing, interpreting, overridden, projection_storage, select_config
+from relgen.geometry import LOG2E, Geometry, PlanInfo
+from relgen.limits import quoted
+from relgen.spec import MechanismSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LN2 = 0.6931471805599453
-#: integer options: under torch.compile an int that changes between calls (a KV cache's offset, a per-step seed)
-#: reaches the fake forward as a SymInt
-INT = (int, torch.SymInt)
+#: The largest absolute position a call may reach: q_offset + Nq and k_offset + Nk (packed: max_seqlen). The
+#: kernels hold offsets δ, window starts and, for identity maps, the 2L − 1 expanded columns in 32-bit integers and
+#: add up to three of them, so 2^29 keeps every such sum exact.
+MAX_POSITION = 1 << 29
+#: Integer dropout seeds lie in [0, SEED_LIMIT): the values a seed tensor's int64 element holds, so that an int and
+#: a tensor with the same value draw the same mask.
+SEED_LIMIT = 1 << 63
+#: τ and τ·log2(e) (the kernels' exp2 scale) must be normal, finite fp32 numbers
+_FP32_TINY, _FP32_MAX = 2.0**-126, 3.4028234663852886e38
+
+
+def _got(value: Any) -> str:
+    """A short description of a bad argument for an error message (a tensor's repr could be megabytes)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {_shape(value)} {value.dtype}"
+    return quoted(value)
+
+
+def _integer(name: str, value: Any, low: int, high: int, expected: str) -> Any:
+    """`value` as an int in [low, high]. Under torch.compile an int that changes between calls (a KV cache's offset,
+    a per-step seed) arrives as a SymInt, which is compared (guarding the graph). bool is not an int here: True
+    would stand for 1."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise ValueError(f"{name}: expected {expected}, got {_got(value)}")
+    if not isinstance(value, torch.SymInt):
+        value = int(value)  # numpy's integers
+    if not low <= value <= high:
+        raise ValueError(f"{name}: expected {expected}, got {value}")
+    return value
+
+
+def _check_offsets(q_offset: Any, k_offset: Any) -> tuple[Any, Any]:
+    expected = f"an int in [0, {MAX_POSITION}] (relgen.arguments.MAX_POSITION)"
+    return (
+        _integer("q_offset", q_offset, 0, MAX_POSITION, expected),
+        _integer("k_offset", k_offset, 0, MAX_POSITION, expected),
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -66,11 +103,6 @@ def _check_tensor(name: str, t: Any, rank: int, expected: Callable[[], str]) -> 
     if t.layout != torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     raise ValueError(f"{name}: expected shape {expected()} (rank {rank}), got {_shape(t)}")
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (CUDA graphs; torch.compile's mode='reduce-overhead')."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +179,12 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
             tensors.append((t.shape, t.dtype, t.device))
         else:
             return None
-    return (*tensors, *((name, type(value), value) for name, value in options.items()), interpreting())
+    return (
+        *tensors,
+        *((name, type(value), value) for name, value in options.items()),
+        interpreting(),
+        projection_storage(),
+    )
 
 
 def check_call(
@@ -173,10 +210,9 @@ def check_call(
 
     q: [B, H, Nq, d], k, v: [B, H, Nk, d]; or packed q, k, v: [total, H, d] with cu_seqlens (int32 [S+1]) and
     max_seqlen. Tables: aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines
-    it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed)."""
-    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if not isinstance(off, INT) or isinstance(off, bool) or off < 0:
-            raise ValueError(f"{name}: expected a non-negative int, got {off!r}")
+    it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed). Absolute
+    positions are at most MAX_POSITION."""
+    q_offset, k_offset = _check_offsets(q_offset, k_offset)
     packed = None
     if cu_seqlens is not None or max_seqlen is not None:
         packed = _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset)
@@ -184,6 +220,12 @@ def check_call(
         nq = nk = packed.max_seqlen
     else:
         b, h, nq, d, nk = _check_qkv(q, k, v)
+        for name, offset, n in (("q_offset", q_offset, nq), ("k_offset", k_offset, nk)):
+            if offset + n > MAX_POSITION:
+                raise ValueError(
+                    f"{name}: the last position {name} + N{name[0]} = {offset} + {n} exceeds relgen.arguments."
+                    f"MAX_POSITION = {MAX_POSITION}, the largest absolute position the kernels hold exactly"
+                )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
@@ -207,37 +249,29 @@ def check_call(
     if key_padding_mask is not None:
         m = key_padding_mask
         if not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (b, nk):
-            got = _shape(m) + f" {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
             raise ValueError(
-                f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), got {got}"
+                f"key_padding_mask: expected a bool tensor of shape [{b}, {nk}] (True = real key), got {_got(m)}"
             )
+        if m.layout != torch.strided:
+            raise ValueError(f"key_padding_mask: expected a dense (strided) tensor, got layout {m.layout}")
         if m.device != q.device:
             raise ValueError(f"key_padding_mask: must be on q's device ({q.device}), got {m.device}")
         kpm = m.to(torch.int8).contiguous()
 
-    if not isinstance(dropout_p, int | float) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
-    if dropout_seed is None:
-        if dropout_p > 0 and capturing():
-            raise NotImplementedError(
-                "dropout_seed: required with dropout_p > 0 under CUDA graph capture (a seed drawn now would be "
-                "replayed at every step); pass a one-element int64 tensor and update it between replays"
-            )
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    elif isinstance(dropout_seed, INT) and not isinstance(dropout_seed, bool) and dropout_seed >= 0:
-        seed = dropout_seed
-    elif isinstance(dropout_seed, torch.Tensor):
-        seed = _check_seed_tensor(dropout_seed, q)
-    else:
-        raise ValueError(
-            f"dropout_seed: expected None, a non-negative int or a one-element integer tensor, got {dropout_seed!r}"
-        )
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, numbers.Real)
+        or not 0.0 <= dropout_p < 1.0  # NaN fails this too
+    ):
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {_got(dropout_p)}")
+    dropout_p = float(dropout_p)
+    seed = _check_seed(dropout_seed, dropout_p, q)
     if scale is None:
         tau = _spec_scale(plan.scale, d)
-    elif isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0:
-        tau = float(scale)
     else:
-        raise ValueError(f"scale: expected a positive number or None, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise ValueError(f"scale: expected a positive number or None, got {_got(scale)}")
+        tau = _fp32_scale("scale", float(scale))
 
     geo = Geometry.make(
         plan,
@@ -250,12 +284,13 @@ def check_call(
         doff=q_offset - k_offset,
         dtype=q.dtype,
         scale=tau,
-        dropout_p=float(dropout_p),
+        dropout_p=dropout_p,
         seed=seed,
         config=select_config(plan, q.dtype, d, max(nq, nk)),
         varlen=packed is not None,
         reuse=ablation != "no_constant_range_reuse",
         full_windows=ablation == "no_reachable_ranges",
+        fp16_storage=projection_storage() == "fp16",
         total=packed.total if packed is not None else 0,
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
     )
@@ -267,6 +302,60 @@ def check_call(
         kpm,
         geo,
     )
+
+
+def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
+    """1 + the largest |δ| among the query-key pairs a call scores (causal: among those it may attend), after
+    checking the arguments that decide it: the window a module planned for an unproven map must cover
+    (relgen.runtime.Mechanism). It depends on the offsets' difference only, not on how far along they are."""
+    q_offset, k_offset = _check_offsets(options.get("q_offset", 0), options.get("k_offset", 0))
+    cu_seqlens, max_seqlen = options.get("cu_seqlens"), options.get("max_seqlen")
+    if cu_seqlens is not None or max_seqlen is not None:
+        kpm = options.get("key_padding_mask")
+        return _check_packed(q, k, v, cu_seqlens, max_seqlen, kpm, q_offset, k_offset).max_seqlen
+    _, _, nq, _, nk = _check_qkv(q, k, v)
+    high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
+    low = q_offset - (k_offset + nk - 1)
+    if plan.causal:  # pairs with δ < 0 are masked
+        high, low = max(high, 0), max(low, 0)
+    return max(abs(high), abs(low)) + 1
+
+
+def _check_seed(dropout_seed: Any, dropout_p: float, q: torch.Tensor) -> Any:
+    """The seed the kernels draw with: an int, or a one-element tensor they read."""
+    if dropout_seed is None:
+        if dropout_p > 0 and capturing():
+            raise NotImplementedError(
+                "dropout_seed: required with dropout_p > 0 under CUDA graph capture (a seed drawn now would be "
+                "replayed at every step); pass a one-element int64 tensor and update it between replays"
+            )
+        return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    if isinstance(dropout_seed, torch.Tensor):
+        return _check_seed_tensor(dropout_seed, q)
+    expected = "None, an int in [0, 2**63) or a one-element int64 / int32 tensor"
+    return _integer("dropout_seed", dropout_seed, 0, SEED_LIMIT - 1, expected)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_scale(text: str, head_dim: int) -> float:
+    """The spec's τ at this head dimension (MechanismSpec.scale_value of a spec whose scale is `text`), checked
+    per head dimension: an expression in d valid at the d the spec was checked at may not be at another."""
+    try:
+        tau = MechanismSpec.model_construct(scale=text).scale_value(head_dim)
+    except (TypeError, ArithmeticError) as err:  # e.g. a complex value, or a division by zero at this d
+        raise ValueError(f"scale: the spec's τ = {text} has no real value at d = {head_dim} ({err})") from None
+    return _fp32_scale(f"scale: the spec's τ = {text} at d = {head_dim}", tau)
+
+
+def _fp32_scale(what: str, tau: float) -> float:
+    """τ if it and the kernels' exp2 scale τ·log2(e) are normal, finite fp32 numbers (the kernels take both in
+    fp32: a larger τ is inf there, a smaller one flushes to 0)."""
+    if not (math.isfinite(tau) and tau >= _FP32_TINY and tau * LOG2E <= _FP32_MAX):
+        raise ValueError(
+            f"{what}: expected a positive number that is a normal, finite fp32 number with τ·log2(e) too "
+            f"([{_FP32_TINY:.3g}, {_FP32_MAX / LOG2E:.3g}]), got {tau!r}"
+        )
+    return tau
 
 
 def _check_table(plan: PlanInfo, name: str, t: Any, term: str, want: tuple[int, ...], q: torch.Tensor):
@@ -299,6 +388,17 @@ def _check_q(q, rank: int, expected: str) -> torch.Tensor:
         raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    interpreted = interpreting()
+    if q.device.type != "cuda" and not (interpreted and q.device.type == "cpu"):
+        raise ValueError(
+            f"q: expected a CUDA tensor (or a CPU one under Triton's interpreter, TRITON_INTERPRET=1), got device "
+            f"{q.device}"
+        )
+    if interpreted and q.dtype == torch.bfloat16:
+        raise NotImplementedError(
+            "q: bfloat16 is not supported in Triton's interpreter (TRITON_INTERPRET=1, relgen's CPU mode): its bf16 "
+            "tl.dot computes wrong products; use float16 or float32 there, or a CUDA GPU"
+        )
     return q
 
 
@@ -335,11 +435,21 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: required with max_seqlen (packed sequences), expected int32 [S+1]")
     cu = cu_seqlens
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-        got = f"{_shape(cu)} {cu.dtype}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-        raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] of sequence starts, got {got}")
+    if (
+        not isinstance(cu, torch.Tensor)
+        or cu.layout != torch.strided
+        or cu.dtype != torch.int32
+        or cu.dim() != 1
+        or cu.numel() < 2
+    ):
+        raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] (S ≥ 1) of sequence starts, got {_got(cu)}")
     if cu.device != q.device:
         raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
+    for name, offset in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if offset:
+            raise ValueError(f"{name}: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
     total = q.shape[0]
     if is_fake(cu) or capturing():
         # the values cannot be read: torch.compile traces on shape-only tensors, and a CUDA graph being captured
@@ -352,19 +462,14 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
     else:
         starts = cu.tolist()
         if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
-            raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {starts}")
+            raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {_got(starts)}")
         longest = max(b - a for a, b in itertools.pairwise(starts))
+    # a sequence holds at most every token: a larger max_seqlen would only size windows and tables for nothing
+    # (bounded by q's shape, so checking it needs no look at cu_seqlens' values on the device)
+    most = min(max(total, 1), MAX_POSITION)
     if max_seqlen is None:
         max_seqlen = longest
-    elif not isinstance(max_seqlen, INT) or isinstance(max_seqlen, bool) or max_seqlen < max(longest, 1):
-        raise ValueError(f"max_seqlen: expected an int ≥ the longest sequence ({longest}), got {max_seqlen!r}")
-    if key_padding_mask is not None:
-        raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
-    if q_offset or k_offset:
-        raise ValueError("q_offset: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
+    else:
+        expected = f"an int ≥ the longest sequence ({longest}) and ≤ the tokens present ({most})"
+        max_seqlen = _integer("max_seqlen", max_seqlen, max(longest, 1), most, expected)
     return Packed(cu.shape[0] - 1, total, max(max_seqlen, 1), cu.contiguous())
-
-
-@functools.lru_cache(maxsize=256)
-def _spec_scale(text: str, head_dim: int) -> float:
-    return float(parse_expression(text, ("d",)).subs(sympy.Symbol("d", integer=True), head_dim))

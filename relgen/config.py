@@ -1,10 +1,13 @@
-"""Tile configurations: the interpreter's, the tuned tables' (relgen.tuning) and the resource heuristic's."""
+"""How relgen's kernels run here: Triton's set-up (its interpreter without a GPU), the storage of the stored
+projections, and the tile configurations (the interpreter's, the tuned tables' (relgen.tuning) and the resource
+heuristic's)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import os
+import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -18,8 +21,85 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (CUDA graphs; torch.compile's mode='reduce-overhead')."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # ------------------------------------------------------------------------------------------------------------
-# tile configurations (issue: tuned lookup tables per GPU; here the defaults and the interpreter's)
+# Triton's set-up: its interpreter on a machine without a CUDA device
+# ------------------------------------------------------------------------------------------------------------
+#: the first numpy whose integer semantics break the interpreter's loops with bounds known only at run time
+INTERPRETER_NUMPY_LIMIT = (2, 4)
+
+
+def configure_triton() -> None:
+    """Run relgen's kernels in Triton's interpreter on the CPU when no CUDA device exists and TRITON_INTERPRET is
+    unset (the Python API, the CLI and the tests call this before relgen's first kernel is defined), and check
+    that the interpreter can run them. An explicit TRITON_INTERPRET is left as it is.
+
+    Triton reads TRITON_INTERPRET when a kernel is decorated, so importing triton earlier does no harm; kernels
+    relgen decorated before (relgen.dropout) without it cannot be redone, which is a one-line RuntimeError."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        dropout = sys.modules.get("relgen.dropout")  # relgen's kernels outside the generated modules
+        if dropout is not None and type(dropout.dropout_keep).__name__ != "InterpretedFunction":
+            raise RuntimeError(
+                "relgen: no CUDA device, and relgen's kernels were defined before TRITON_INTERPRET was set: set "
+                "TRITON_INTERPRET=1 in the environment before Python starts (relgen then runs them in Triton's "
+                "interpreter on the CPU)"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+    if interpreting():
+        import numpy
+
+        check_interpreter_numpy(numpy.__version__)
+
+
+def check_interpreter_numpy(version: str) -> None:
+    """A RuntimeError when numpy `version` is one Triton's interpreter cannot run relgen's kernels with."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return  # a development build: let it try
+    if (major, minor) >= INTERPRETER_NUMPY_LIMIT:
+        raise RuntimeError(
+            f"relgen: Triton's interpreter (TRITON_INTERPRET=1, used without a CUDA device) cannot run relgen's "
+            f"kernels with numpy {version}: install numpy<2.4 (pip install 'numpy<2.4')"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# storage of the stored projections Z̃ and their gradients dZ̃ for half-precision inputs
+# ------------------------------------------------------------------------------------------------------------
+#: "fp32": Z̃ and dZ̃ in fp32 for fp16 and bf16 inputs: nothing overflows nor is rounded to fp16, no host check.
+#: "fp16": Z̃ (and dZ̃ for fp16 inputs on the offset path) in fp16, half the buffers' memory and band-gather bytes;
+#: every call then checks on the host that no entry left fp16's range (one device synchronisation per pass) and
+#: raises a ValueError naming the tensor if one did, so it is refused under CUDA graph capture.
+PROJECTION_STORAGES = ("fp32", "fp16")
+#: the environment variable that chooses the storage at start-up
+PROJECTION_STORAGE_ENV = "RELGEN_PROJECTION_STORAGE"
+_storage: list[str] = []
+
+
+def projection_storage() -> str:
+    """The storage calls use now: set_projection_storage's, else $RELGEN_PROJECTION_STORAGE, else "fp32"."""
+    if not _storage:
+        mode = os.environ.get(PROJECTION_STORAGE_ENV) or "fp32"
+        if mode not in PROJECTION_STORAGES:
+            raise ValueError(f"{PROJECTION_STORAGE_ENV}: expected one of {PROJECTION_STORAGES}, got {mode!r}")
+        _storage.append(mode)
+    return _storage[0]
+
+
+def set_projection_storage(mode: str) -> None:
+    """Choose the storage of every later call in this process (one of PROJECTION_STORAGES)."""
+    if not isinstance(mode, str) or mode not in PROJECTION_STORAGES:
+        raise ValueError(f"mode: expected one of {PROJECTION_STORAGES}, got {mode!r}")
+    _storage[:] = [mode]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tile configurations: the tuned tables per GPU (relgen.tuning), else the heuristic; the interpreter's
 # ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttnTiles:
@@ -198,5 +278,5 @@ def column_splits(token_programs: int, column_blocks: int, device: torch.device)
 def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
     """How many fp32 partials the table reductions write: enough programs to fill the GPU, no more."""
     if device.type != "cuda":
-        return min(items, 2)
+        return max(1, min(items, 2))  # at least one: an empty batch still writes its (zero) partial
     return max(1, min(items, math.ceil(2 * _sm_count(device) / max(column_programs, 1))))

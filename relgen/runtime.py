@@ -2,9 +2,12 @@
 
 `compile_mechanism(spec)` renders the spec's module (codegen), writes it into the cache directory (Triton needs
 real source files) and imports it; calls then go through `Mechanism.__call__`, which picks the module planned
-for a long enough window (maps whose saturation sympy could not prove beyond the analysed window are re-planned
-for longer sequences). Generated modules reach argument checking, geometry and tile configuration through the
-names this module re-exports.
+for a long enough window (maps whose saturation could not be proven beyond the analysed window are re-planned
+for the offsets a call reaches, up to MAX_REPLANNED_WINDOW). Generated modules reach argument checking, geometry
+and tile configuration through the names this module re-exports.
+
+Compiling and calling are safe from several threads: one Mechanism per spec, one import per module (temporary
+files unique per writer, replaced atomically, so processes sharing a cache directory do not collide either).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
+import threading
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 
 from relgen.analyze import Plan, analyze
-from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call, seed_snapshot
+from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call, reach, seed_snapshot
 from relgen.config import (
     INTERPRETER_CONFIG,
     AttnTiles,
@@ -30,6 +35,7 @@ from relgen.config import (
     ReduceTiles,
     cdiv,
     column_splits,
+    configure_triton,
     default_config,
     interpreting,
     override_config,
@@ -41,11 +47,17 @@ from relgen.custom_ops import register as register_custom_ops
 from relgen.descriptors import kv_descriptors
 from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
 from relgen.launch import Launcher
+from relgen.limits import MAX_SEQ_LEN
 from relgen.spec import MechanismSpec, load_spec
+
+# before any of relgen's kernels is defined (the generated modules import this module first, relgen.dropout after
+# it): Triton's interpreter when there is no CUDA device
+configure_triton()
 
 __all__ = [
     "ABLATIONS",
     "INTERPRETER_CONFIG",
+    "MAX_REPLANNED_WINDOW",
     "ROW_ALIGN",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
@@ -98,7 +110,14 @@ def cache_dir() -> Path:
     return path
 
 
+#: The longest window a map whose saturation could not be proven is re-planned for (1 + the largest |δ| a call
+#: reaches): the analyzer's own limit. A call that reaches farther is refused (ValueError) rather than analysed.
+MAX_REPLANNED_WINDOW = MAX_SEQ_LEN
+
 _MODULES: dict[str, ModuleType] = {}
+#: held while a module is written and imported (and while _MODULES, _SPECS and _WIDER change): an import runs
+#: the module's code, which defines its custom ops, once
+_MODULES_LOCK = threading.RLock()
 
 
 def load_module(plan: Plan) -> ModuleType:
@@ -107,21 +126,40 @@ def load_module(plan: Plan) -> ModuleType:
 
     source = codegen.render(plan)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    if digest in _MODULES:
-        return _MODULES[digest]
-    module_name = f"relgen_generated_{plan.spec_name}_{digest}"
-    path = cache_dir() / f"{module_name}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        tmp.replace(path)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    _MODULES[digest] = module
-    return module
+    module = _MODULES.get(digest)
+    if module is not None:
+        return module
+    with _MODULES_LOCK:
+        if digest in _MODULES:  # imported by another thread meanwhile
+            return _MODULES[digest]
+        module_name = f"relgen_generated_{plan.spec_name}_{digest}"
+        path = cache_dir() / f"{module_name}.py"
+        if not path.exists() or path.read_text() != source:
+            _write_atomically(path, source)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(module_name, None)
+            raise
+        _MODULES[digest] = module
+        return module
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file of its own in the same directory, then os.replace: a reader
+    (another thread or process importing the module) sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class Mechanism:
@@ -131,24 +169,35 @@ class Mechanism:
         self.spec = spec
         self.plan = analyze(spec)
         self.module = load_module(self.plan)
-        _SPECS[self.plan.spec_hash] = spec
+        with _MODULES_LOCK:
+            _SPECS[self.plan.spec_hash] = spec
         self._variants: dict[tuple, ModuleType] = {}
+        self._variants_lock = threading.Lock()
 
     def module_for(self, window: int) -> ModuleType:
+        """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
+        saturation is unproven beyond a shorter window."""
         limit = self.module.PLAN.valid_up_to
         if limit is None or window <= limit:
             return self.module
+        if window > MAX_REPLANNED_WINDOW:
+            raise ValueError(
+                f"q_offset, k_offset: the map of spec '{self.plan.spec_name}' is not proven constant beyond |δ| < "
+                f"{limit}, and this call's query-key pairs reach |δ| = {window - 1} (from its sequence lengths and "
+                f"q_offset − k_offset, or max_seqlen); relgen re-plans such a map for at most "
+                f"relgen.runtime.MAX_REPLANNED_WINDOW = {MAX_REPLANNED_WINDOW} offsets (a map whose saturation the "
+                "analyzer proves needs no re-planning)"
+            )
         return _WIDER[_load_wider(self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
 
     def __call__(self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, **options: Any):
-        window = 1
-        cu = options.get("cu_seqlens")
-        if isinstance(cu, torch.Tensor) and cu.numel() > 1:
-            window = options.get("max_seqlen") or int((cu[1:] - cu[:-1]).max())
-        elif isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
-            nq, nk = q.shape[-2], k.shape[-2]
-            window = max(options.get("q_offset", 0) + nq, options.get("k_offset", 0) + nk)
-        module = self.module_for(window)
+        module = self.module
+        if module.PLAN.valid_up_to is not None:  # an unproven map: the module for the offsets this call reaches
+            module = self.module_for(reach(module.PLAN, q, k, v, options))
+        for name in ("recompute_projections", "return_lse"):
+            flag = options.get(name, False)
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {type(flag).__name__}")
         if ablation is not None:
             module, options = self._ablated(module, ablation, options)
         return module.attention(q, k, v, aq, ak, bias, **options)
@@ -191,10 +240,11 @@ class Mechanism:
     def _variant(self, module: ModuleType, **changes: Any) -> ModuleType:
         """The module of `module`'s plan with `changes` (an ablation), built once."""
         key = (module.PLAN.valid_up_to, *sorted(changes.items()))
-        if key not in self._variants:
-            plan = analyze(self.spec, module.PLAN.valid_up_to) if module.PLAN.valid_up_to else self.plan
-            self._variants[key] = load_module(replace(plan, **changes))
-        return self._variants[key]
+        with self._variants_lock:
+            if key not in self._variants:
+                plan = analyze(self.spec, module.PLAN.valid_up_to) if module.PLAN.valid_up_to else self.plan
+                self._variants[key] = load_module(replace(plan, **changes))
+            return self._variants[key]
 
     def __repr__(self) -> str:
         return f"<relgen mechanism {self.plan.summary()}>"
@@ -212,17 +262,29 @@ def _load_wider(spec_hash: str, n: int) -> tuple[str, int]:
     this runs while tracing, as a constant (rendering and importing a module cannot be traced)."""
     key = (spec_hash, n)
     if key not in _WIDER:
-        _WIDER[key] = load_module(analyze(_SPECS[spec_hash], n))
+        with _MODULES_LOCK:
+            if key not in _WIDER:
+                _WIDER[key] = load_module(analyze(_SPECS[spec_hash], n))
     return key
 
 
 _MECHANISMS: dict[str, Mechanism] = {}
+#: one lock per spec hash while its Mechanism is built (different specs compile side by side)
+_COMPILING: dict[str, threading.Lock] = {}
+_COMPILING_LOCK = threading.Lock()
 
 
 def compile_mechanism(spec: MechanismSpec | dict | str | Path) -> Mechanism:
-    """Compile (or fetch from the cache, keyed by the spec's hash) the kernels of `spec`."""
+    """Compile (or fetch from the cache, keyed by the spec's hash) the kernels of `spec`. Threads compiling one
+    spec at once get the same Mechanism."""
     spec = load_spec(spec)
     key = spec.spec_hash()
-    if key not in _MECHANISMS:
-        _MECHANISMS[key] = Mechanism(spec)
-    return _MECHANISMS[key]
+    mechanism = _MECHANISMS.get(key)
+    if mechanism is not None:
+        return mechanism
+    with _COMPILING_LOCK:
+        lock = _COMPILING.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _MECHANISMS:
+            _MECHANISMS[key] = Mechanism(spec)
+        return _MECHANISMS[key]

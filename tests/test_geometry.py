@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,19 +95,23 @@ def test_row_stride_is_the_smallest_aligned_width(width):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "stored", "prec"),
+    ("storage", "dtype", "stored", "prec"),
     [
-        (torch.float16, torch.float16, "ieee"),
-        (torch.bfloat16, torch.float32, "tf32"),
-        (torch.float32, torch.float32, "ieee"),
+        ("fp32", torch.float16, torch.float32, "tf32"),
+        ("fp32", torch.bfloat16, torch.float32, "tf32"),
+        ("fp32", torch.float32, torch.float32, "ieee"),
+        ("fp16", torch.float16, torch.float16, "ieee"),
+        ("fp16", torch.bfloat16, torch.float32, "tf32"),
     ],
 )
-def test_gradient_buffer_precision_follows_the_inputs(dtype, stored, prec):
-    """bf16 keeps dZ̃ in fp32 (its boundary columns are sums over many pairs) and the reductions read it as tf32."""
+def test_gradient_buffer_precision_follows_the_inputs(storage, dtype, stored, prec):
+    """dZ̃ is fp16 only for fp16 inputs under the fp16 projection storage. bf16 keeps it in fp32 in either (its
+    boundary columns are sums over many pairs), and an fp32 dZ̃ of half-precision inputs enters the reductions as
+    tf32. (The dtype is the Geometry's only: the interpreter refuses bf16 calls.)"""
     spec = relgen.load_spec(ROOT / "specs" / "t5_decoder.yaml")
-    inputs = make_inputs(spec, b=1, h=2, nq=1, nk=300, d=16, dtype=dtype, device="cpu", length=300)
+    inputs = make_inputs(spec, b=1, h=2, nq=1, nk=300, d=16, device="cpu", length=300)
     module = relgen.compile_mechanism(spec).module_for(300)
-    geo = geometry(module, inputs, q_offset=299)
+    geo = replace(geometry(module, inputs, q_offset=299), dtype=dtype, fp16_storage=storage == "fp16")
     assert geo.gradient_buffer(torch.device("cpu")).dtype == stored
     red = geo.reduction(True)
     assert red.fp32 == (stored == torch.float32) and red.prec == prec
