@@ -247,7 +247,7 @@ def _compose(text: str, origin: str) -> yaml.Node | None:
         finally:
             loader.dispose()
     except yaml.YAMLError as err:
-        raise SpecError(f"{origin}:{_yaml_error(err)}") from None
+        raise SpecError(f"{origin}:{_yaml_error(err, text)}") from None
 
 
 def _scan(text: str, origin: str) -> None:
@@ -284,10 +284,13 @@ def _scan(text: str, origin: str) -> None:
         loader.dispose()
 
 
-def _yaml_error(err: yaml.YAMLError) -> str:
+def _yaml_error(err: yaml.YAMLError, text: str) -> str:
     mark = getattr(err, "problem_mark", None)
     where = f" line {mark.line + 1}:" if mark is not None else ""
     problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if mark is not None and problem.startswith("found character that") and 0 <= mark.index < len(text):
+        # libyaml leaves out which character (a tab, mostly), where PyYAML's own parser names it
+        problem = problem.replace("found character", f"found character {text[mark.index]!r}", 1)
     context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
     if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
         problem += f" ({context} started at line {context_mark.line + 1})"

@@ -313,5 +313,5 @@ def test_installed_entry_point(tmp_path):
     assert done.returncode == 2
     assert done.stdout.startswith("ok  specs/t5.yaml  t5: map=t5 terms=bias R=32 path=offset saturation=[-91, 91]")
     assert done.stdout.count("\n") == 1
-    message = "Input should be a valid boolean, unable to interpret input, got 'maybe'"
+    message = "Input should be a valid boolean, got 'maybe'"  # strict: no 'yes'/'on' strings read as booleans
     assert done.stderr == f"relgen: error: {bad}: line 4: field 'causal': {message}\n"
