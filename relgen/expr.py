@@ -6,7 +6,8 @@ quotes, newlines, ``;``, ``_``, other names) before a recursive-descent parser b
 `relgen.limits`. Nothing reaches `eval`, Python's `ast` (which skips ``#`` comments) or sympy's parser. Every
 constant part is evaluated while parsing, so a division by zero, an overflow or a complex value is refused at
 once. The tree evaluates in float64 with numpy (vectorised over offsets), never exactly, so evaluation is bounded;
-`Expression.to_sympy` gives the symbolic form for proofs.
+`Expression.bounds` bounds it over an interval (the analyzer's saturation proofs) and `Expression.to_sympy` gives
+its symbolic form.
 """
 
 from __future__ import annotations
