@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The H200 sessions' commands, in phases that each fit one device call (repo root on the GPU machine, pydantic
+# The H200 runs, in phases that each fit one ten-minute job (repo root on the GPU machine, pydantic
 # on PYTHONPATH). Compilation is done in parallel processes first (their timings are thrown away), so the
 # measurements that follow run one at a time on warm caches.
 #
-#   bash benchmarks/h200_session.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
+#   bash benchmarks/h200.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
 #                                                                tests/test_features.py, tests/test_compile.py
 #                                                                on the GPU's kernels)
-#   bash benchmarks/h200_session.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
+#   bash benchmarks/h200.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
 #                                                                (TUNE_S: seconds of tuning, default 130)
-#   bash benchmarks/h200_session.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
+#   bash benchmarks/h200.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
 #                                                                .bench_state/attention.json when present;
 #                                                                WARM_S=S first compiles in parallel for S s;
 #                                                                MECHS="shaw t5" restricts the mechanisms, so
@@ -17,22 +17,21 @@
 #                                                                FLEX_MODE=default the compiled peers' mode;
 #                                                                WARM_THREADS inductor's compile workers per
 #                                                                compile-only process; MEASURE_TIMEOUT_S)
-#   bash benchmarks/h200_session.sh compile OUT SECONDS [N,...]  compile only, for the bench of the next call on
+#   bash benchmarks/h200.sh compile OUT SECONDS [N,...]  compile only, for the bench of the next call on
 #                                                                the same machine (the caches live in /tmp; the
 #                                                                machine stays only while calls follow within its
 #                                                                idle release): one process per (mechanism, N,
 #                                                                compiled system) and one for the rest of each
 #                                                                (mechanism, N), COMPILE_JOBS at a time (12),
 #                                                                lengths in the order given, stopped after SECONDS
-#   bash benchmarks/h200_session.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
+#   bash benchmarks/h200.sh ablation OUT SECONDS [N,...]  Table 7: relgen with each component switched off
 #                                                                next to full relgen (default N = 8192; MECHS as
 #                                                                for bench)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
 # relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json, bench.log and (with WARM_S) warm.log
-# only (a device call returns at most 8 files: two bench shares with plots lost one share's results once; render
+# only (a job brings back at most 8 files: two bench shares with plots lost one share's results once; render
 # the report here with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
-# (The second session ran verify and tune as one call: tests in parallel with the tuning's compile pass.)
 set -u
 phase=${1:?phase: verify, tune, bench, compile or ablation}
 out=${2:?output folder}
@@ -42,16 +41,14 @@ read -r -a specs <<< "${MECHS:-shaw txl deberta_v3 t5}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
 # the device's copy of .git can be stale: fingerprint the sources that ran instead (files in C-locale order: the
 # device's locale sorts "__init__.py" elsewhere, which changed the fingerprint of the same files)
-echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 relgen/*.py relgen/bench/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
+echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 relgen/*.py relgen/*/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for 30-90 s per
-# graph, so compile first (WARM_S, or the compile phase); FLEX_MODE=default is the faster, non-protocol choice of
-# the earlier sessions
+# graph, so compile first (WARM_S, or the compile phase); FLEX_MODE=default is the faster, non-protocol choice
 flex_mode=${FLEX_MODE:-max-autotune}
 systems=${SYSTEMS:-relgen,sdpa_plain,sdpa,eager,flex_decomp,flex,compiled}
 
 # The compile-only processes: one per (mechanism, N, compiled system), and one for the rest of a (mechanism, N).
-# A max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind each other
-# (seventh session).
+# A max-autotune compile takes 30 s to several minutes, so the compiled systems must not queue behind each other.
 compile_shares() {  # the systems torch.compile builds (SYSTEMS[...]["compiled"]) one by one, then the rest
     local compiled='flex|flex_decomp|compiled'
     echo "$systems" | tr ',' '\n' | grep -xE "$compiled" | tr '\n' ' '
