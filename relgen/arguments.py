@@ -56,7 +56,7 @@ def _integer(name: str, value: Any, low: int, high: int, expected: str) -> Any:
 
 
 def _check_offsets(q_offset: Any, k_offset: Any) -> tuple[Any, Any]:
-    expected = f"an int in [0, {MAX_POSITION}] (relgen.arguments.MAX_POSITION)"
+    expected = f"a non-negative int ≤ {MAX_POSITION} (relgen.arguments.MAX_POSITION)"
     return (
         _integer("q_offset", q_offset, 0, MAX_POSITION, expected),
         _integer("k_offset", k_offset, 0, MAX_POSITION, expected),
