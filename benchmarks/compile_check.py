@@ -251,7 +251,8 @@ def main() -> int:
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # explicitly off: without a CUDA device relgen would otherwise switch the interpreter on (configure_triton)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run(
         [sys.executable, __file__, args.spec, "--arch", str(args.arch), "--compile-from", f.name]
         + (["--memory-ops"] if args.memory_ops else []),
