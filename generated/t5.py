@@ -2196,7 +2196,8 @@ def _backward_pass(do, call, o, lse2, projections, expanded=None):
     if expanded is None:
         expanded = geo.expand(call.aq, call.ak, call.bias)
     saved = (call.q, call.k, call.v, o, lse2, call.aq, call.ak, call.bias, call.kpm, projections, expanded)
-    return _backward(do.contiguous(), saved, geo, geo.config)
+    # the kernels read dO through its strides (a 'bnhd' call's dO arrives as a [B, H, N, d] view): no copy
+    return _backward(_rt.lastdim_contiguous(do), saved, geo, geo.config)
 
 
 def _kept_buffers(geo, device):
@@ -2241,6 +2242,7 @@ def attention(
     ak=None,
     bias=None,
     *,
+    layout="bhnd",
     key_padding_mask=None,
     cu_seqlens=None,
     max_seqlen=None,
@@ -2273,9 +2275,10 @@ def attention(
             dropout_p=dropout_p,
             dropout_seed=dropout_seed,
             scale=scale,
+            layout=layout,
             keep_projections=not recompute_projections,
         )
-        return _rt.finish(q, o, lse2, return_lse, packed=cu_seqlens is not None)
+        return _rt.finish(o, lse2, return_lse, packed=cu_seqlens is not None, layout=layout)
     call = _rt.prepare_call(
         PLAN,
         q,
@@ -2293,6 +2296,7 @@ def attention(
         dropout_seed=dropout_seed,
         scale=scale,
         ablation=_ablation,
+        layout=layout,
     )
     o, lse2 = _Attention.apply(call.q, call.k, call.v, call.aq, call.ak, call.bias, call, not recompute_projections)
     return call.finish(o, lse2, return_lse)

@@ -23,6 +23,9 @@ from relgen.spec import MechanismSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+#: the layouts of dense q, k, v and O: [B, H, N, d] (the default) and [B, N, H, d] (HF, FlashAttention), both read
+#: and written through their strides
+LAYOUTS = ("bhnd", "bnhd")
 LN2 = 0.6931471805599453
 #: The largest absolute position a call may reach: q_offset + Nq and k_offset + Nk (packed: max_seqlen). The
 #: kernels hold offsets δ, window starts and, for identity maps, the 2L − 1 expanded columns in 32-bit integers and
@@ -78,15 +81,32 @@ class Call:
     geo: Geometry
 
     def finish(self, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool):
-        return finish(self.q, o, lse2, return_lse, packed=self.geo.varlen)
+        """The result of the kernels' o (in this Call's [B, H, Nq, d] view) in the caller's layout."""
+        layout = self.geo.layout
+        return finish(heads_major(o, layout), lse2, return_lse, packed=self.geo.varlen, layout=layout)
 
 
-def finish(q: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, return_lse: bool, packed: bool):
-    """A call's result: o, or (o, LSE) with the kernels' base-2 log-sum-exp as [B, H, Nq] (packed: [total, H])."""
+def finish(o: torch.Tensor, lse2: torch.Tensor, return_lse: bool, packed: bool, layout: str = "bhnd"):
+    """A call's result from o in the caller's layout: o, or (o, LSE) with the kernels' base-2 log-sum-exp as
+    [B, H, Nq] in either layout (packed: [total, H])."""
     if not return_lse:
         return o
-    lse = lse2.view(q.shape[1], q.shape[0]).t() if packed else lse2.view(q.shape[:3])
+    lse = lse2.view(o.shape[1], o.shape[0]).t() if packed else lse2.view(heads_major(o, layout).shape[:3])
     return o, lse * LN2
+
+
+def check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"layout: expected 'bhnd' (q, k, v as [B, H, N, d]) or 'bnhd' ([B, N, H, d]), got {_got(layout)}"
+        )
+    return layout
+
+
+def heads_major(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A dense [B, N, H, d] tensor of a 'bnhd' call as the [B, H, N, d] view the kernels index (its strides, no
+    copy), and such a view back (the transpose is its own inverse); 'bhnd' and packed tensors as they are."""
+    return t.transpose(1, 2) if layout == "bnhd" and t.dim() == 4 else t
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -140,7 +160,7 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
             if geo is not None:
                 plan.calls.move_to_end(signature)
         if geo is not None:
-            return Call(q, k, v, aq, ak, bias, None, geo)
+            return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), aq, ak, bias, None, geo)
     call = check_call(plan, q, k, v, aq, ak, bias, **options)
     if signature is not None:
         with _calls_lock:
@@ -205,27 +225,33 @@ def check_call(
     dropout_seed=None,
     scale=None,
     ablation=None,
+    layout="bhnd",
 ) -> Call:
     """Validate a call against the plan; every problem is a ValueError naming the argument.
 
-    q: [B, H, Nq, d], k, v: [B, H, Nk, d]; or packed q, k, v: [total, H, d] with cu_seqlens (int32 [S+1]) and
-    max_seqlen. Tables: aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines
-    it (identity: 2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed). Absolute
-    positions are at most MAX_POSITION."""
+    q: [B, H, Nq, d], k, v: [B, H_kv, Nk, d] (layout 'bhnd'), or [B, Nq, H, d] and [B, Nk, H_kv, d] ('bnhd'), H a
+    multiple of H_kv (grouped-query attention); or packed q: [total, H, d], k, v: [total, H_kv, d] with cu_seqlens
+    (int32 [S+1]) and max_seqlen (any layout). The Call holds q, k, v as [B, H, N, d] views. Tables (per query
+    head): aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines it (identity:
+    2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed). Absolute positions are at most
+    MAX_POSITION."""
     q_offset, k_offset = _check_offsets(q_offset, k_offset)
+    layout = check_layout(layout)
     packed = None
     if cu_seqlens is not None or max_seqlen is not None:
         packed = _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset)
-        b, h, d = packed.sequences, q.shape[1], q.shape[2]
+        b, h, h_kv, d = packed.sequences, q.shape[1], k.shape[1], q.shape[2]
         nq = nk = packed.max_seqlen
     else:
-        b, h, nq, d, nk = _check_qkv(q, k, v)
+        b, h, h_kv, nq, d, nk = _check_qkv(q, k, v, layout)
         for name, offset, n in (("q_offset", q_offset, nq), ("k_offset", k_offset, nk)):
             if offset + n > MAX_POSITION:
                 raise ValueError(
                     f"{name}: the last position {name} + N{name[0]} = {offset} + {n} exceeds relgen.arguments."
                     f"MAX_POSITION = {MAX_POSITION}, the largest absolute position the kernels hold exactly"
                 )
+    if h_kv != h:
+        raise NotImplementedError(f"k: grouped-query attention (H_kv = {h_kv} of H = {h} heads) is not supported yet")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
@@ -277,6 +303,8 @@ def check_call(
         plan,
         batch=b,
         heads=h,
+        kv_heads=h_kv,
+        layout=layout,
         nq=nq,
         nk=nk,
         head_dim=d,
@@ -295,9 +323,7 @@ def check_call(
         cu_seqlens=packed.cu_seqlens if packed is not None else None,
     )
     return Call(
-        lastdim_contiguous(q),
-        lastdim_contiguous(k),
-        lastdim_contiguous(v),
+        *(lastdim_contiguous(heads_major(t, layout)) for t in (q, k, v)),
         *checked,
         kpm,
         geo,
@@ -313,7 +339,7 @@ def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
     if cu_seqlens is not None or max_seqlen is not None:
         kpm = options.get("key_padding_mask")
         return _check_packed(q, k, v, cu_seqlens, max_seqlen, kpm, q_offset, k_offset).max_seqlen
-    _, _, nq, _, nk = _check_qkv(q, k, v)
+    _, _, _, nq, _, nk = _check_qkv(q, k, v, check_layout(options.get("layout", "bhnd")))
     high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
     low = q_offset - (k_offset + nk - 1)
     if plan.causal:  # pairs with δ < 0 are masked
@@ -402,20 +428,37 @@ def _check_q(q, rank: int, expected: str) -> torch.Tensor:
     return q
 
 
-def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
-    q = _check_q(q, 4, "[B, H, Nq, d]")
-    b, h, nq, d = q.shape
-    k = _check_tensor("k", k, 4, lambda: f"[{b}, {h}, Nk, {d}]")
-    v = _check_tensor("v", v, 4, lambda: f"[{b}, {h}, Nk, {d}]")
-    nk = k.shape[2]
+def _groups(heads: int, kv_heads: int) -> bool:
+    """Whether `heads` query heads split into groups over `kv_heads` key/value heads (none of either: an empty
+    call)."""
+    return heads % kv_heads == 0 if kv_heads else heads == 0
+
+
+def _check_qkv(q, k, v, layout: str) -> tuple[int, int, int, int, int, int]:
+    """(B, H, H_kv, Nq, d, Nk) of dense q, k, v in `layout`; shapes in messages are in the caller's layout."""
+
+    def dims(b: Any, h: Any, n: Any, d: Any) -> str:
+        return f"[{b}, {n}, {h}, {d}]" if layout == "bnhd" else f"[{b}, {h}, {n}, {d}]"
+
+    q = _check_q(q, 4, dims("B", "H", "Nq", "d"))
+    b, h, nq, d = heads_major(q, layout).shape
+    k = _check_tensor("k", k, 4, lambda: dims(b, "H_kv", "Nk", d))
+    v = _check_tensor("v", v, 4, lambda: dims(b, "H_kv", "Nk", d))
+    _, h_kv, nk, _ = heads_major(k, layout).shape
     for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d:
-            raise ValueError(f"{name}: expected shape [{b}, {h}, Nk, {d}] to match q {_shape(q)}, got {_shape(t)}")
-    if v.shape[2] != nk:
+        if t.shape[0] != b or t.shape[3] != d:
+            expected = dims(b, "H_kv", "Nk", d)
+            raise ValueError(f"{name}: expected shape {expected} to match q {_shape(q)}, got {_shape(t)}")
+    if not _groups(h, h_kv):
+        raise ValueError(
+            f"k: expected H_kv key/value heads dividing q's H = {h} (grouped-query attention: query head h reads "
+            f"key/value head h // (H / H_kv)), got H_kv = {h_kv} ({_shape(k)})"
+        )
+    if v.shape != k.shape:
         raise ValueError(f"v: expected shape {_shape(k)} like k, got {_shape(v)}")
     if nq < 1 or nk < 1:
         raise ValueError(f"q, k: sequence lengths must be ≥ 1, got Nq={nq}, Nk={nk}")
-    return b, h, nq, d, nk
+    return b, h, h_kv, nq, d, nk
 
 
 @dataclass(frozen=True)
@@ -428,10 +471,14 @@ class Packed:
 
 def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset) -> Packed:
     q = _check_q(q, 3, "[total, H, d] (packed: cu_seqlens given)")
+    total, h, d = q.shape
     for name, t in (("k", k), ("v", v)):
-        t = _check_tensor(name, t, 3, lambda: f"{_shape(q)} like q (packed)")
-        if t.shape != q.shape:
-            raise ValueError(f"{name}: expected shape {_shape(q)} like q (packed sequences), got {_shape(t)}")
+        t = _check_tensor(name, t, 3, lambda: f"[{total}, H_kv, {d}] like q (packed)")
+        if t.shape[0] != total or t.shape[2] != d or not _groups(h, t.shape[1]) or t.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"{name}: expected shape [{total}, H_kv, {d}] like q {_shape(q)} (packed sequences), H_kv dividing "
+                f"H = {h} (and the same for k and v), got {_shape(t)}"
+            )
     if cu_seqlens is None:
         raise ValueError("cu_seqlens: required with max_seqlen (packed sequences), expected int32 [S+1]")
     cu = cu_seqlens

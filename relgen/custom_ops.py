@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from relgen.arguments import Call, capturing, lastdim_contiguous
+from relgen.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous
 
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
@@ -64,10 +64,11 @@ def _kept(projections: Projections, like: torch.Tensor) -> list[torch.Tensor]:
     return [p if p is not None else _absent(like) for p in projections]
 
 
-#: the call's options after its tensors, as both ops take them
+#: the call's options after its tensors, as both ops take them. The ops take and return q, k, v, O and their
+#: gradients in the caller's `layout` (relgen.arguments.LAYOUTS), the kernels reading them through [B, H, N, d] views
 _OPTIONS = (
     "SymInt? max_seqlen, SymInt q_offset, SymInt k_offset, float dropout_p, SymInt seed, Tensor? seed_tensor, "
-    "float? scale"
+    "float? scale, str layout"
 )
 #: (o, lse2, [Z̃^Q, Z̃^K, their end columns; empty where absent]) — lse2 and the projections feed the backward
 FORWARD_SCHEMA = (
@@ -101,16 +102,17 @@ def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torc
     """The ops torch.ops.relgen.<stem>_forward / _backward, and their differentiable call."""
 
     def prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor,
-                scale):  # fmt: skip
+                scale, layout):  # fmt: skip
         dropout_seed = seed_tensor if seed_tensor is not None else seed if dropout_p else None
         return passes.prepare(
             q, k, v, aq, ak, bias, key_padding_mask=kpm, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             q_offset=q_offset, k_offset=k_offset, dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
+            layout=layout,
         )  # fmt: skip
 
     @torch.library.custom_op(f"{NAMESPACE}::{stem}_forward", mutates_args=(), schema=FORWARD_SCHEMA)
     def forward(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
-                seed_tensor, scale, keep_projections):  # fmt: skip
+                seed_tensor, scale, layout, keep_projections):  # fmt: skip
         if dropout_p and seed_tensor is None and capturing():
             raise NotImplementedError(
                 "dropout_seed: an int seed inside a CUDA graph (torch.compile mode='reduce-overhead') would be "
@@ -118,59 +120,62 @@ def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torc
                 "between steps"
             )
         call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
-                       seed_tensor, scale)  # fmt: skip
+                       seed_tensor, scale, layout)  # fmt: skip
         o, lse2, projections, _ = passes.forward(call, keep_projections)
-        return o, lse2, _kept(projections, lse2)
+        return heads_major(o, layout), lse2, _kept(projections, lse2)
 
     @forward.register_fake
     def _(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor,
-          scale, keep):  # fmt: skip
+          scale, layout, keep):  # fmt: skip
         # the real op's checks and allocations, on sizes that may be symbolic (torch.compile's dynamic shapes:
         # choosing the length bucket's tiles guards the graph on that bucket)
         call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
-                       seed_tensor, scale)  # fmt: skip
-        o = torch.empty_like(call.q)
+                       seed_tensor, scale, layout)  # fmt: skip
+        o = torch.empty_like(call.q)  # as the forward pass allocates it (its strides follow q's)
         lse2 = torch.empty(call.geo.token_rows(True), device=q.device, dtype=torch.float32)
         projections = passes.buffers(call.geo, q.device) if keep else (None,) * 4
-        return o, lse2, _kept(projections, lse2)
+        return heads_major(o, layout), lse2, _kept(projections, lse2)
 
     @torch.library.custom_op(f"{NAMESPACE}::{stem}_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
     def backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
-                 dropout_p, seed, seed_tensor, scale):  # fmt: skip
+                 dropout_p, seed, seed_tensor, scale, layout):  # fmt: skip
         call = prepare(q, k, v, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p, seed,
-                       seed_tensor, scale)  # fmt: skip
+                       seed_tensor, scale, layout)  # fmt: skip
+        do, o = heads_major(do, layout), heads_major(o, layout)
         dq, dk, dv, *dtables = passes.backward(do, call, o, lse2, _present(projections))
         tables = (call.aq, call.ak, call.bias)
         assert all((g is None) == (t is None) for g, t in zip(dtables, tables, strict=True)), "a table's gradient"
-        return [dq, dk, dv, *(g for g in dtables if g is not None)]
+        return [*(heads_major(g, layout) for g in (dq, dk, dv)), *(g for g in dtables if g is not None)]
 
     @backward.register_fake
     def _(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen, q_offset, k_offset,
-          dropout_p, seed, seed_tensor, scale):  # fmt: skip
+          dropout_p, seed, seed_tensor, scale, layout):  # fmt: skip
         tables = [torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (aq, ak, bias) if t is not None]
-        return [torch.empty_like(lastdim_contiguous(x)) for x in (q, k, v)] + tables
+        # dq, dk, dv as the backward pass allocates them: like the Call's [B, H, N, d] views of q, k, v
+        grads = [torch.empty_like(lastdim_contiguous(heads_major(x, layout))) for x in (q, k, v)]
+        return [heads_major(g, layout) for g in grads] + tables
 
     def setup_context(ctx, inputs, output):
         q, k, v, aq, ak, bias, kpm, cu_seqlens = inputs[:8]
-        max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor, scale, _keep = inputs[8:]
+        max_seqlen, q_offset, k_offset, dropout_p, seed, seed_tensor, scale, layout, _keep = inputs[8:]
         o, lse2, projections = output
         ctx.save_for_backward(q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, seed_tensor, *projections)
-        ctx.scalars = (max_seqlen, q_offset, k_offset, dropout_p, seed, scale)
+        ctx.scalars = (max_seqlen, q_offset, k_offset, dropout_p, seed, scale, layout)
         ctx.mark_non_differentiable(lse2, *projections)
 
     def backward_formula(ctx, do, _dlse, _dprojections):
         q, k, v, o, lse2, aq, ak, bias, kpm, cu_seqlens, seed_tensor, *projections = ctx.saved_tensors
-        max_seqlen, q_offset, k_offset, dropout_p, seed, scale = ctx.scalars
+        max_seqlen, q_offset, k_offset, dropout_p, seed, scale, layout = ctx.scalars
         grads = iter(backward(do, q, k, v, o, lse2, projections, aq, ak, bias, kpm, cu_seqlens, max_seqlen,
-                              q_offset, k_offset, dropout_p, seed, seed_tensor, scale))  # fmt: skip
+                              q_offset, k_offset, dropout_p, seed, seed_tensor, scale, layout))  # fmt: skip
         dq, dk, dv = next(grads), next(grads), next(grads)
         dtables = [next(grads) if t is not None else None for t in (aq, ak, bias)]
-        return dq, dk, dv, *dtables, *(None,) * 10
+        return dq, dk, dv, *dtables, *(None,) * 11
 
     forward.register_autograd(backward_formula, setup_context=setup_context)
 
     def apply(q, k, v, aq, ak, bias, *, key_padding_mask, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p,
-              dropout_seed, scale, keep_projections):  # fmt: skip
+              dropout_seed, scale, layout, keep_projections):  # fmt: skip
         if dropout_p and dropout_seed is None:
             raise NotImplementedError(
                 "dropout_seed: required with dropout_p > 0 under torch.compile (the backward needs the forward's "
@@ -178,6 +183,7 @@ def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torc
                 "a new int per step, or under CUDA graphs a one-element int64 tensor updated in place"
             )
         as_tensor = isinstance(dropout_seed, torch.Tensor)
+        layout = check_layout(layout)  # before the schema's str meets it
         if cu_seqlens is not None and max_seqlen is None:
             raise ValueError(
                 "max_seqlen: required with cu_seqlens under torch.compile (the longest sequence cannot be read "
@@ -185,7 +191,8 @@ def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torc
             )
         o, lse2, _ = forward(
             q, k, v, aq, ak, bias, key_padding_mask, cu_seqlens, max_seqlen, q_offset, k_offset, dropout_p,
-            0 if as_tensor else dropout_seed or 0, dropout_seed if as_tensor else None, scale, keep_projections,
+            0 if as_tensor else dropout_seed or 0, dropout_seed if as_tensor else None, scale, layout,
+            keep_projections,
         )  # fmt: skip
         return o, lse2
 

@@ -63,7 +63,11 @@ def _readable(t: torch.Tensor) -> bool:
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, *, varlen: bool, pairs: int) -> tuple[Any, Any]:
     """Host-side descriptors over K and V [B, H, N, d] with boxes [1, 1, BN, d], or (None, None) where TMA cannot
     read them or would not pay: descriptors switched off, fewer than MIN_PAIRS query-key pairs, packed sequences,
-    a GPU before Hopper, or a layout TMA does not accept."""
+    a GPU before Hopper, or a layout TMA does not accept.
+
+    k and v are the views the kernels index, and each descriptor takes its view's own strides: TMA addresses a box
+    through any strides that are multiples of 16 bytes, so a 'bnhd' call's K and V (tokens H·d elements apart, heads
+    d apart) are read in place like contiguous [B, H, N, d] ones."""
     if not enabled or pairs < MIN_PAIRS or varlen or not _supported(k.device):
         return None, None
     if not (_readable(k) and _readable(v)):

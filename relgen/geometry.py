@@ -126,7 +126,11 @@ class Geometry:
     """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here.
 
     Packed sequences (`varlen`): `batch` counts sequences, `nq` = `nk` = max_seqlen, `total` tokens in all, and
-    each kernel reads its sequence's start and length from `cu_seqlens`."""
+    each kernel reads its sequence's start and length from `cu_seqlens`.
+
+    `heads` counts query heads, `kv_heads` key/value heads (grouped-query attention: query head h reads key/value
+    head h // kv_group); tables, Z̃ and dZ̃ are per query head. `layout`: the caller's layout of dense q, k, v and
+    O (relgen.arguments.LAYOUTS); the kernels see [B, H, N, d] views of them either way."""
 
     plan: PlanInfo
     batch: int
@@ -146,6 +150,8 @@ class Geometry:
     reuse: bool = True  # constant-range reuse (off: ablation "no_constant_range_reuse")
     full_windows: bool = False  # windows of all C columns (ablation "no_reachable_ranges")
     fp16_storage: bool = False  # relgen.config.projection_storage() == "fp16" when the call was checked
+    kv_heads: int = 0  # make() defaults it to `heads`
+    layout: str = "bhnd"
     cu_seqlens: torch.Tensor | None = field(default=None, compare=False, repr=False)
     low: int = 0
     high: int = 0
@@ -160,6 +166,7 @@ class Geometry:
         c = high - low + 1
         g = kw["config"].group
         full = kw.get("full_windows", False)
+        kw.setdefault("kv_heads", kw["heads"])
         return cls(
             plan=plan,
             low=low,
@@ -179,6 +186,11 @@ class Geometry:
     @property
     def path(self) -> str:
         return self.plan.path
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head (1: ordinary multi-head attention)."""
+        return self.heads // self.kv_heads if self.kv_heads else 1
 
     @property
     def shared_tables(self) -> bool:

@@ -17,7 +17,9 @@ Conventions shared with the kernels:
 * dropout is described by an explicit ``keep_mask`` (True = kept): P·keep/(1 − p), after the softmax; the LSE
   is that of the softmax before dropout;
 * packed sequences (``cu_seqlens``): each sequence attends only within itself, positions restart at 0, and
-  identity maps use L = ``max_seqlen`` (other maps do not depend on L).
+  identity maps use L = ``max_seqlen`` (other maps do not depend on L);
+* grouped-query attention: k and v may have H_kv heads, H a multiple of H_kv; query head h reads key/value head
+  h // (H / H_kv), here by repeating each key/value head H / H_kv times (``repeat_interleave``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ import torch
 
 from relgen.spec import MechanismSpec, load_spec
 
-__all__ = ["attention", "relation_rows"]
+__all__ = ["LAYOUTS", "attention", "relation_rows"]
+
+#: the dense layouts of q, k, v and O: [B, H, N, d] and [B, N, H, d]
+LAYOUTS = ("bhnd", "bnhd")
 
 
 def relation_rows(
@@ -86,13 +91,16 @@ def attention(
     max_seqlen: int | None = None,
     return_lse: bool = False,
     length: int | None = None,
+    layout: str = "bhnd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Relative-position attention in float64, differentiable with respect to every tensor input.
 
-    Dense layout: q [B, H, Nq, d], k [B, H, Nk, d], v [B, H, Nk, dv] → O [B, H, Nq, dv] (LSE [B, H, Nq]).
-    Packed layout (``cu_seqlens`` int32 [S + 1], ``max_seqlen``): q, k, v [total, H, d] → O [total, H, dv]
-    (LSE [total, H]); a packed ``keep_mask`` is [S, H, max_seqlen, max_seqlen], sequence s using its top-left
-    [n_s, n_s] block.
+    Dense layout: q [B, H, Nq, d], k [B, H_kv, Nk, d], v [B, H_kv, Nk, dv] → O [B, H, Nq, dv] (LSE [B, H, Nq]);
+    with ``layout="bnhd"`` q [B, Nq, H, d], k, v [B, Nk, H_kv, d] → O [B, Nq, H, dv] (LSE still [B, H, Nq]).
+    H_kv divides H (grouped-query attention; H_kv = H: ordinary multi-head attention).
+    Packed layout (``cu_seqlens`` int32 [S + 1], ``max_seqlen``): q [total, H, d], k, v [total, H_kv, d] → O
+    [total, H, dv] (LSE [total, H]), whatever ``layout``; a packed ``keep_mask`` is [S, H, max_seqlen,
+    max_seqlen], sequence s using its top-left [n_s, n_s] block.
 
     Tables: ``aq``/``ak`` [H, R, d] and ``bias`` [H, R] ([R, d] and [R] when ``spec.heads_share_tables``), with
     R = ``spec.map.num_rows(L)``. Only the spec's terms are read (query → aq, key → ak, bias → bias); tables of
@@ -105,6 +113,8 @@ def attention(
     natural-log log-sum-exp of the scaled, masked scores (−inf for rows without keys).
     """
     spec = load_spec(spec)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if dropout_p > 0 and keep_mask is None:
@@ -114,7 +124,11 @@ def attention(
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only used with cu_seqlens")
         masks = (key_padding_mask, keep_mask, float(dropout_p))
+        if layout == "bnhd":
+            q, k, v = (_heads_major(x, name) for name, x in (("q", q), ("k", k), ("v", v)))
         out, lse = _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length)
+        if layout == "bnhd":
+            out = out.transpose(1, 2)
     else:
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask cannot be combined with cu_seqlens (packing has no padding)")
@@ -143,8 +157,10 @@ def _packed(spec, q, k, v, tables, scale, keep_mask, dropout_p, cu_seqlens, max_
             raise ValueError(f"{name} must be [total, H, d] with cu_seqlens, got {_shape(x)}")
         if x.shape[0] != bounds[-1]:
             raise ValueError(f"{name} has {x.shape[0]} tokens but cu_seqlens[-1] = {bounds[-1]}")
-    if k.shape[1:] != q.shape[1:] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must match q {list(q.shape)} in H (and d)")
+    if k.shape[2] != q.shape[2] or v.shape[1] != k.shape[1] or (q.shape[1] % k.shape[1] if k.shape[1] else q.shape[1]):
+        raise ValueError(
+            f"k {list(k.shape)} and v {list(v.shape)} must match q {list(q.shape)} in d and have H_kv heads dividing H"
+        )
     num_seqs, heads = len(lengths), q.shape[1]
     if keep_mask is not None and tuple(keep_mask.shape) != (num_seqs, heads, max_seqlen, max_seqlen):
         raise ValueError(
@@ -171,11 +187,16 @@ def _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a tensor [B, H, N, d], got {_shape(x)}")
     batch, heads, nq, d = q.shape
-    nk = k.shape[2]
-    if tuple(k.shape) != (batch, heads, nk, d):
-        raise ValueError(f"k must be [B, H, Nk, d] = [{batch}, {heads}, Nk, {d}] like q, got {list(k.shape)}")
-    if tuple(v.shape[:3]) != (batch, heads, nk):
-        raise ValueError(f"v must be [B, H, Nk, dv] = [{batch}, {heads}, {nk}, dv], got {list(v.shape)}")
+    kv_heads, nk = k.shape[1], k.shape[2]
+    if tuple(k.shape) != (batch, kv_heads, nk, d) or (heads % kv_heads if kv_heads else heads):
+        raise ValueError(
+            f"k must be [B, H_kv, Nk, d] = [{batch}, H_kv, Nk, {d}] like q, H_kv dividing H = {heads}, got "
+            f"{list(k.shape)}"
+        )
+    if tuple(v.shape[:3]) != (batch, kv_heads, nk):
+        raise ValueError(f"v must be [B, H_kv, Nk, dv] = [{batch}, {kv_heads}, {nk}, dv], got {list(v.shape)}")
+    if kv_heads != heads:  # grouped-query attention: query head h reads key/value head h // (H / H_kv)
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
 
     if length is None:
         length = max(q_offset + nq, k_offset + nk, 1)
@@ -233,6 +254,13 @@ def _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length):
 
     out = torch.einsum("bhij,bhjd->bhid", probs, v64)
     return out, lse
+
+
+def _heads_major(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A [B, N, H, d] tensor (layout "bnhd") as [B, H, N, d]."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"{name} must be a tensor [B, N, H, d] (layout 'bnhd'), got {_shape(x)}")
+    return x.transpose(1, 2)
 
 
 def _table(

@@ -26,7 +26,17 @@ from typing import Any
 import torch
 
 from relgen.analyze import Plan, analyze
-from relgen.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Call, finish, prepare_call, reach, seed_snapshot
+from relgen.arguments import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    Call,
+    finish,
+    heads_major,
+    lastdim_contiguous,
+    prepare_call,
+    reach,
+    seed_snapshot,
+)
 from relgen.config import (
     INTERPRETER_CONFIG,
     AttnTiles,
@@ -76,8 +86,10 @@ __all__ = [
     "compile_mechanism",
     "default_config",
     "finish",
+    "heads_major",
     "interpreting",
     "kv_descriptors",
+    "lastdim_contiguous",
     "load_module",
     "override_config",
     "prepare_call",

@@ -1,0 +1,192 @@
+"""Shapes of real models: q, k, v as [B, N, H, d] (layout="bnhd"), against the FP64 reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import Inputs, assert_all_close, compare, make_inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import relgen
+from relgen import descriptors, reference
+from relgen.testing import check_close
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: query and key terms (Z̃^Q and Z̃^K) on a small clipped map, quick in the interpreter
+QUERY_KEY = {"name": "qk_clipped", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 6}}
+#: ±δ share a row: the atomic path
+ATOMIC = {
+    "name": "atomic17",
+    "terms": ["query", "bias"],
+    "map": {"kind": "expression", "expr": "Min(Abs(delta), 16)", "rows": 17},
+}
+
+
+def load(name):
+    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
+
+
+def _id(name):
+    return name if isinstance(name, str) else name["name"]
+
+
+def layout_inputs(spec, *, b=1, h=2, h_kv=None, nq=20, nk=None, d=16, layout="bhnd", seed=0, dtype=torch.float32):
+    """make_inputs' q, k, v and tables, with k and v cut to their first h_kv heads and all three in `layout`, each
+    a contiguous leaf in that layout (tables per query head)."""
+    base = make_inputs(spec, b=b, h=h, nq=nq, nk=nk, d=d, device=DEVICE, seed=seed, dtype=dtype)
+    h_kv = h if h_kv is None else h_kv
+    q, k, v = (t.detach() for t in (base.q, base.k[:, :h_kv], base.v[:, :h_kv]))
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return Inputs(*(t.contiguous().requires_grad_() for t in (q, k, v)), base.tables)
+
+
+# -- layout="bnhd" ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5_decoder", ATOMIC], ids=_id)
+def test_bnhd_matches_the_reference(name):
+    spec = load(name)
+    inputs = layout_inputs(spec, b=2, h=2, nq=29, nk=21, layout="bnhd", seed=1)
+    assert_all_close(compare(spec, inputs, layout="bnhd"), f"{_id(name)} bnhd")
+
+
+def test_bnhd_reads_strided_views_of_a_fused_projection():
+    """q, k, v as HF holds them after a fused qkv projection: views of one [B, N, 3, H, d] tensor, whose tokens lie
+    3·H·d elements apart; also with Nq ≠ Nk and position offsets."""
+    spec = load("txl")
+    b, n, h, d = 2, 24, 2, 16
+    fused = torch.randn(b, n, 3, h, d, generator=torch.Generator().manual_seed(3)).to(DEVICE).requires_grad_()
+    q, k, v = fused[:, :20, 0], fused[:, :, 1], fused[:, :, 2]
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    rows = spec.map.num_rows(20 + 4)
+    aq = (0.5 * torch.randn(h, rows, d, generator=torch.Generator().manual_seed(4))).to(DEVICE).requires_grad_()
+    fn = relgen.compile_mechanism(spec)
+    out = fn(q, k, v, aq=aq, layout="bnhd", q_offset=4)
+    ref = reference.attention(spec, q, k, v, aq=aq, layout="bnhd", q_offset=4)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    got = torch.autograd.grad(out, (fused, aq), do)
+    want = torch.autograd.grad(ref, (fused, aq), do.double())
+    results = [("out", *check_close(out, ref, torch.float32))]
+    results += [(n, *check_close(g, w, torch.float32)) for n, g, w in zip(("dqkv", "daq"), got, want, strict=True)]
+    assert_all_close(results, "fused qkv views")
+
+
+class _Copies(TorchDispatchMode):
+    """Shapes of the tensors that aten copies (copy_, clone, _to_copy, contiguous) create while active."""
+
+    COPIES = ("copy_", "clone", "_to_copy", "contiguous", "transpose_copy", "permute_copy")
+
+    def __init__(self):
+        super().__init__()
+        self.copied: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.COPIES:
+            self.copied.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("name", ["shaw", QUERY_KEY], ids=_id)
+def test_bnhd_copies_no_token_tensor(name):
+    """q, k, v, O, dO and the gradients stay where they are: the kernels index [B, H, N, d] views of them. O and
+    dq, dk, dv come back contiguous in [B, N, H, d]."""
+    spec = load(name)
+    inputs = layout_inputs(spec, b=2, h=2, nq=20, layout="bnhd", seed=2)
+    fn = relgen.compile_mechanism(spec)
+    token_shapes = {tuple(inputs.q.shape), (2, 2, 20, 16)}
+    with _Copies() as forward:
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, layout="bnhd")
+    do = torch.randn_like(out)
+    with _Copies() as backward:
+        grads = torch.autograd.grad(out, [inputs.q, inputs.k, inputs.v], do)
+    assert not token_shapes & set(forward.copied + backward.copied), (forward.copied, backward.copied)
+    assert out.shape == inputs.q.shape and out.is_contiguous()
+    for g, t in zip(grads, (inputs.q, inputs.k, inputs.v), strict=True):
+        assert g.shape == t.shape and g.is_contiguous()
+
+
+def test_bnhd_equals_bhnd_bit_for_bit():
+    """The same kernels read the same numbers through other strides: every output and gradient is the same bits."""
+    spec = load(QUERY_KEY)
+    runs = []
+    for layout in ("bhnd", "bnhd"):
+        inputs = layout_inputs(spec, b=1, h=2, nq=33, layout=layout, seed=6)
+        out, lse = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, layout=layout,
+                                                  return_lse=True)  # fmt: skip
+        do = torch.randn(1, 2, 33, 16, generator=torch.Generator().manual_seed(1))  # [B, H, N, d]
+        do = do.transpose(1, 2) if layout == "bnhd" else do
+        grads = torch.autograd.grad(out, list(inputs.leaves.values()), do.to(out))
+        heads_major = [t.transpose(1, 2) if layout == "bnhd" else t for t in (out, *grads[:3])]
+        runs.append([*heads_major, lse, *grads[3:]])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_packed_calls_take_either_layout():
+    """Packed q, k, v are [total, H, d] whatever the layout says."""
+    spec = load("shaw")
+    lengths = [7, 20]
+    cu = torch.tensor([0, 7, 27], dtype=torch.int32, device=DEVICE)
+    base = make_inputs(spec, b=1, h=2, nq=27, d=16, device=DEVICE, seed=8)
+    q, k, v = (t.detach()[0].transpose(0, 1).contiguous() for t in (base.q, base.k, base.v))
+    fn = relgen.compile_mechanism(spec)
+    outs = [fn(q, k, v, **base.tables, cu_seqlens=cu, max_seqlen=max(lengths), layout=lay) for lay in ("bhnd", "bnhd")]
+    assert outs[0].shape == q.shape and torch.equal(outs[0], outs[1])
+
+
+def test_bnhd_under_torch_compile_gives_the_eager_bits():
+    from torch._dynamo.backends.debugging import aot_eager
+
+    spec = load(QUERY_KEY)
+    inputs = layout_inputs(spec, b=2, h=2, nq=20, layout="bnhd", seed=9)
+    leaves = list(inputs.leaves.values())
+    fn = relgen.compile_mechanism(spec)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a, **kw: fn(*a, **kw), backend=aot_eager, fullgraph=True)
+    runs = []
+    for f in (fn, compiled):
+        out, lse = f(inputs.q, inputs.k, inputs.v, **inputs.tables, layout="bnhd", return_lse=True)
+        do = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
+        runs.append([out, lse, *torch.autograd.grad(out, leaves, do)])
+    torch._dynamo.reset()
+    for a, b in zip(*runs, strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+
+
+def test_bnhd_saturated_tiles_read_through_descriptors_with_the_views_strides():
+    """The forward's saturated tiles load K and V through tensor descriptors over the [B, H, N, d] views: for a
+    'bnhd' call, descriptors with the view's strides (tokens H·d apart), checked here in the interpreter's TMA
+    emulation (the descriptors stay off below MIN_PAIRS unless forced)."""
+    spec = load(QUERY_KEY)  # saturates beyond [-8, 6]: saturated key tiles at N = 48
+    inputs = layout_inputs(spec, b=1, h=2, nq=48, layout="bnhd", seed=4)
+    k_view = inputs.k.detach().transpose(1, 2)
+    with descriptors.forced(True):
+        k_desc, _ = descriptors.kv_descriptors(k_view, k_view, 16, varlen=False, pairs=1)
+        assert list(k_desc.strides) == list(k_view.stride()) == [48 * 2 * 16, 16, 2 * 16, 1]
+        assert_all_close(compare(spec, inputs, layout="bnhd"), "bnhd, descriptors")
+
+
+@pytest.mark.parametrize(
+    ("changes", "argument"),
+    [
+        ({"layout": "bshd"}, "layout"),
+        ({"layout": None}, "layout"),
+        ({"layout": ["bnhd"]}, "layout"),
+        ({"k": torch.zeros(2, 9, 2, 17)}, "k"),  # d differs from q's
+        ({"v": torch.zeros(2, 9, 2, 16)}, "v"),  # Nk differs from k's
+        ({"q": torch.zeros(2, 8, 16)}, "q"),
+    ],
+)
+def test_bad_layout_arguments_raise_value_error_naming_them(changes, argument):
+    spec = load("shaw")
+    inputs = layout_inputs(spec, b=2, h=2, nq=8, layout="bnhd")
+    args = {"q": inputs.q, "k": inputs.k, "v": inputs.v, **inputs.tables, "layout": "bnhd", **changes}
+    fn = relgen.compile_mechanism(spec)
+    with pytest.raises(ValueError, match=rf"^{argument}\b"):
+        fn(**args)
+    if argument == "layout":  # the FP64 oracle refuses it too
+        with pytest.raises(ValueError, match="layout"):
+            reference.attention(spec, **args)
