@@ -155,6 +155,27 @@ def _query_runs(
 
 
 # ------------------------------------------------------------------------------------------------------------
+# the d axis: tiles are BLOCK_D wide, the power of two ≥ d (relgen.config.head_block). A padded head dim masks
+# its loads and stores along d and reads 0 in the padded columns, which then add nothing to the products along d;
+# with d = BLOCK_D these helpers return or load exactly what the kernels did before padding existed
+# ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _d_mask(mask, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`mask` ([rows, 1] or [rows, BLOCK_D]) restricted to the columns along d that exist."""
+    if HEAD_DIM == BLOCK_D:
+        return mask
+    else:
+        return mask & (offs_d < HEAD_DIM)[None, :]
+
+
+@triton.jit
+def _load_rows(ptrs, rows_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile of q (or dO, x) whose rows past the sequence's end no result keeps: they are left
+    undefined, as without padding, while padded columns read as 0."""
+    return tl.load(ptrs, mask=_d_mask(rows_ok, offs_d, HEAD_DIM, BLOCK_D), other=None if HEAD_DIM == BLOCK_D else 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # one score tile S·log2(e) for queries offs_m and keys offs_n, relation terms read according to MODE
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -384,6 +405,7 @@ def _project_columns(
     w_lo,
     w_hi,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     PREC: tl.constexpr,
@@ -391,7 +413,7 @@ def _project_columns(
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
     head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
     compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     hi_col = C - 1 - start  # the end columns' places in this group's window
     lo_col = -start
     if w_lo == 0:
@@ -401,7 +423,11 @@ def _project_columns(
     for w0 in range(w_lo, w_hi, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
-        table = tl.load(table_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0)
+        table = tl.load(
+            table_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=_d_mask(w_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
+            other=0.0,
+        )
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
@@ -445,6 +471,7 @@ def _project_kernel(
     ZS_A,
     cols_per_program,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     GROUP: tl.constexpr,
@@ -461,11 +488,11 @@ def _project_kernel(
     Ntok = nq if SIGN == 1 else nk
     row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
-    x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None])
+    x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     _project_columns(
@@ -481,6 +508,7 @@ def _project_kernel(
         pid_w * cols_per_program,
         tl.minimum((pid_w + 1) * cols_per_program, ZS),
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_W,
         FOLD_BIAS,
         PREC,
@@ -536,6 +564,7 @@ def _fwd_range(
     k_win_base,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     MODE: tl.constexpr,
@@ -546,7 +575,7 @@ def _fwd_range(
     PREC: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each for K
     # and V (no address tensors in registers, no predicates); every other tile lists its keys down (_key_tile)
     UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
@@ -554,11 +583,11 @@ def _fwd_range(
         if UP:
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j_hi = tile * BLOCK_N + BLOCK_N - 1
-            k = k_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, HEAD_DIM])
-            v = v_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, HEAD_DIM])
+            k = k_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            v = v_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
         else:
             offs_n, j_hi = _key_tile(tile, BLOCK_N)
-            kv_ok = offs_n[:, None] < Nk
+            kv_ok = _d_mask(offs_n[:, None] < Nk, offs_d, HEAD_DIM, BLOCK_D)
             k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
@@ -663,6 +692,7 @@ def _attn_fwd_kernel(
     ZSK_A,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
@@ -684,9 +714,15 @@ def _attn_fwd_kernel(
     tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     tok0 = tok0.to(tl.int64)
-    q = tl.load(Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :], mask=offs_m[:, None] < Nq)
+    q = _load_rows(
+        Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :],
+        offs_m[:, None] < Nq,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
@@ -701,7 +737,7 @@ def _attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
     common = (
@@ -738,6 +774,7 @@ def _attn_fwd_kernel(
         n_lo,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         BAND,
@@ -757,6 +794,7 @@ def _attn_fwd_kernel(
         n_hi,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         SAT_HIGH,
@@ -776,6 +814,7 @@ def _attn_fwd_kernel(
         n_valid,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         SAT_LOW,
@@ -795,6 +834,7 @@ def _attn_fwd_kernel(
         n_end,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         BAND,
@@ -813,7 +853,7 @@ def _attn_fwd_kernel(
     tl.store(
         O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :],
         out.to(O.dtype.element_ty),
-        mask=row_ok[:, None],
+        mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
     tl.store(LSE + row_q.to(tl.int64) + offs_m, lse2, mask=row_ok)
 
@@ -838,6 +878,7 @@ def _bwd_preprocess_kernel(
     Nq_all,
     TOTAL,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
@@ -847,8 +888,8 @@ def _bwd_preprocess_kernel(
     tok0, Nq, _, row_q, _ = _sequence(bh, H, CU, Nq_all, Nq_all, TOTAL, VARLEN)
     tok0 = tok0.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_m[:, None] < Nq
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
     o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0)
     tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)
@@ -929,6 +970,7 @@ def _bwd_q_range(
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     MODE: tl.constexpr,
@@ -938,10 +980,10 @@ def _bwd_q_range(
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     for tile in range(lo, hi):
         offs_n, j_hi = _key_tile(tile, BLOCK_N)
-        kv_ok = offs_n[:, None] < Nk
+        kv_ok = _d_mask(offs_n[:, None] < Nk, offs_d, HEAD_DIM, BLOCK_D)
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
@@ -1064,6 +1106,7 @@ def _attn_bwd_q_kernel(
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
@@ -1084,10 +1127,22 @@ def _attn_bwd_q_kernel(
     tok0 = tok0.to(tl.int64)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Nq
-    q = tl.load(Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :], mask=row_ok[:, None])
-    do = tl.load(DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=row_ok[:, None])
+    q = _load_rows(
+        Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :],
+        row_ok[:, None],
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
+    do = _load_rows(
+        DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :],
+        row_ok[:, None],
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     lse2 = tl.load(LSE + row_q.to(tl.int64) + offs_m, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
     Di = tl.load(DELTA + row_q.to(tl.int64) + offs_m, mask=row_ok, other=0.0)
@@ -1104,7 +1159,7 @@ def _attn_bwd_q_kernel(
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
@@ -1160,6 +1215,7 @@ def _attn_bwd_q_kernel(
         n_hi,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         SAT_HIGH,
@@ -1178,6 +1234,7 @@ def _attn_bwd_q_kernel(
         n_lo,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         BAND,
@@ -1196,6 +1253,7 @@ def _attn_bwd_q_kernel(
         n_valid,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         SAT_LOW,
@@ -1214,6 +1272,7 @@ def _attn_bwd_q_kernel(
         n_end,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_N,
         GROUP,
         BAND,
@@ -1226,7 +1285,7 @@ def _attn_bwd_q_kernel(
     tl.store(
         DQ + b * sdq_b + h * sdq_h + (tok0 + offs_m[:, None]) * sdq_n + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
-        mask=row_ok[:, None],
+        mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
     # row i's pairs reached columns δ − L − s0, δ ∈ [i + DOFF − j_last, i + DOFF], clipped to the end columns
     j_last = tl.minimum(Nk, n_end * BLOCK_N) - 1
@@ -1317,6 +1376,7 @@ def _bwd_kv_range(
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
@@ -1328,12 +1388,13 @@ def _bwd_kv_range(
     PREC: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     for tile in range(lo, hi):
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Nq
-        q = tl.load(Q + offs_m[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + offs_m[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        qo_ok = _d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+        q = tl.load(Q + offs_m[:, None] * sq_n + offs_d[None, :], mask=qo_ok, other=0.0)
+        do = tl.load(DO + offs_m[:, None] * sdo_n + offs_d[None, :], mask=qo_ok, other=0.0)
         lse2 = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         Di = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
@@ -1449,6 +1510,7 @@ def _attn_bwd_kv_kernel(
     qk_scale,
     tau,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
@@ -1471,12 +1533,13 @@ def _attn_bwd_kv_kernel(
     tok0 = tok0.to(tl.int64)
     j0 = pid_n * BLOCK_N
     offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < Nk
     K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
     V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
-    k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    kv_ok = _d_mask(col_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+    k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
@@ -1492,8 +1555,8 @@ def _attn_bwd_kv_kernel(
     LSE_bh = LSE + row_q.to(tl.int64)
     DELTA_bh = DELTA + row_q.to(tl.int64)
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     hi_sum = tl.zeros([BLOCK_N], tl.float32)
     lo_sum = tl.zeros([BLOCK_N], tl.float32)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
@@ -1551,6 +1614,7 @@ def _attn_bwd_kv_kernel(
         m_valid,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         GROUP,
@@ -1572,6 +1636,7 @@ def _attn_bwd_kv_kernel(
         m_lo,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         GROUP,
@@ -1593,6 +1658,7 @@ def _attn_bwd_kv_kernel(
         m_hi,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         GROUP,
@@ -1614,6 +1680,7 @@ def _attn_bwd_kv_kernel(
         m_end,
         *args,
         HEAD_DIM,
+        BLOCK_D,
         BLOCK_M,
         BLOCK_N,
         GROUP,
@@ -1628,12 +1695,12 @@ def _attn_bwd_kv_kernel(
     tl.store(
         DK + b * sdk_b + h * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
-        mask=col_ok[:, None],
+        mask=kv_ok,
     )
     tl.store(
         DV + b * sdv_b + h * sdv_h + (tok0 + offs_n[:, None]) * sdv_n + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
-        mask=col_ok[:, None],
+        mask=kv_ok,
     )
 
 
@@ -1661,6 +1728,7 @@ def _reduce_tokens_kernel(
     W,
     WDZ_A,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
     GROUP: tl.constexpr,
@@ -1678,11 +1746,12 @@ def _reduce_tokens_kernel(
     Ntok = nq if SIGN == 1 else nk
     row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     x_rows = b * sdx_b + h * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
-    acc = tl.load(DX + x_rows, mask=t_ok[:, None], other=0.0).to(tl.float32)
+    x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+    acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
     dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
     # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
     for w0 in range(0, WDZ, BLOCK_W):
@@ -1690,12 +1759,14 @@ def _reduce_tokens_kernel(
         w_ok = offs_w < W
         dz = tl.load(dz_rows[:, None] + offs_w[None, :], mask=t_ok[:, None] & (offs_w < WDZ)[None, :], other=0.0)
         a = tl.load(
-            TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :], mask=w_ok[:, None], other=0.0
+            TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=_d_mask(w_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
+            other=0.0,
         )
         if FP32_DZ:
             a = a.to(tl.float32)
         acc += tl.dot(dz, a, input_precision=PREC)
-    tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=t_ok[:, None])
+    tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=x_ok)
 
 
 @_rt.Launcher
@@ -1721,6 +1792,7 @@ def _reduce_table_kernel(
     items_per_chunk,
     n_items,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,
     GROUP: tl.constexpr,
@@ -1739,8 +1811,8 @@ def _reduce_table_kernel(
     pid_s, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s_lo = pid_s * BLOCK_S
     offs_s = s_lo + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([BLOCK_S, HEAD_DIM], tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc_b = tl.zeros([BLOCK_S], tl.float32)
     item_end = tl.minimum((pid_c + 1) * items_per_chunk, n_items)
     for item in range(pid_c * items_per_chunk, item_end):
@@ -1770,7 +1842,11 @@ def _reduce_table_kernel(
                         dz_bh + offs_t[:, None] * WDZ + cols[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0
                     )
                     if HAS_TABLE:
-                        x = tl.load(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], mask=t_ok[:, None], other=0.0)
+                        x = tl.load(
+                            X_bh + offs_t[:, None] * sx_n + offs_d[None, :],
+                            mask=_d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
+                            other=0.0,
+                        )
                         if FP32_DZ:
                             x = x.to(tl.float32)
                         acc += tl.dot(tl.trans(dz), x, input_precision=PREC)
@@ -1780,7 +1856,11 @@ def _reduce_table_kernel(
     part = (pid_c * n_heads + pid_h).to(tl.int64) * C
     s_ok = offs_s < C
     if HAS_TABLE:
-        tl.store(DT_PART + (part + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], acc, mask=s_ok[:, None])
+        tl.store(
+            DT_PART + (part + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=_d_mask(s_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
+        )
     if HAS_DB:
         tl.store(DB_PART + part + offs_s, acc_b, mask=s_ok)
 
@@ -1788,23 +1868,42 @@ def _reduce_table_kernel(
 @_rt.Launcher
 @triton.jit
 def _fold_copies_kernel(
-    DT, DB, DA, DBIAS, FIRST, COUNT, C, R, HEAD_DIM: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_DB: tl.constexpr
+    DT,
+    DB,
+    DA,
+    DBIAS,
+    FIRST,
+    COUNT,
+    C,
+    R,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
+    HAS_DB: tl.constexpr,
 ):
     """dA[r] = Σ_{s: β(s) = r} dÃ[s], in increasing s (each row's copies are one run of columns)."""
     r, h = tl.program_id(0), tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     first = tl.load(FIRST + r)
     count = tl.load(COUNT + r)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     acc_b = tl.zeros([1], tl.float32)
     for c in range(0, count):
         s = (h * C + first + c).to(tl.int64)
         if HAS_TABLE:
-            acc += tl.load(DT + s * HEAD_DIM + offs_d)
+            if HEAD_DIM == BLOCK_D:
+                acc += tl.load(DT + s * HEAD_DIM + offs_d)
+            else:
+                acc += tl.load(DT + s * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
         if HAS_DB:
             acc_b += tl.load(DB + s + tl.arange(0, 1))
     if HAS_TABLE:
-        tl.store(DA + (h * R + r).to(tl.int64) * HEAD_DIM + offs_d, acc.to(DA.dtype.element_ty))
+        if HEAD_DIM == BLOCK_D:
+            tl.store(DA + (h * R + r).to(tl.int64) * HEAD_DIM + offs_d, acc.to(DA.dtype.element_ty))
+        else:
+            tl.store(
+                DA + (h * R + r).to(tl.int64) * HEAD_DIM + offs_d, acc.to(DA.dtype.element_ty), mask=offs_d < HEAD_DIM
+            )
     if HAS_DB:
         tl.store(DBIAS + h * R + r + tl.arange(0, 1), acc_b.to(DBIAS.dtype.element_ty))
 
@@ -1874,6 +1973,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         geo.row_units(width),
         cols,
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         BLOCK_T=c.block_t,
         BLOCK_W=c.block_w,
         GROUP=geo.group,
@@ -1935,6 +2035,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         *_scalar_args(geo),
         geo.qk_scale,
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
         GROUP=geo.group,
@@ -1974,6 +2075,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
             red.width,
             red.stride_units,
             HEAD_DIM=geo.head_dim,
+            BLOCK_D=geo.block_d,
             BLOCK_T=c.block_t,
             BLOCK_W=c.block_w,
             GROUP=geo.group,
@@ -2007,6 +2109,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
         per_chunk,
         items,
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         BLOCK_S=c.block_s,
         BLOCK_T=c.block_t,
         GROUP=geo.group,
@@ -2054,6 +2157,7 @@ def _fold(dt, db, table_like, bias_like, geo):
         geo.c,
         geo.rows,
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         HAS_TABLE=dt is not None,
         HAS_DB=db is not None,
     )
@@ -2080,6 +2184,7 @@ def _backward(do, saved, geo, cfg):
         geo.nq,
         geo.total,
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         BLOCK_M=c.block_m,
         VARLEN=geo.varlen,
     )
@@ -2090,6 +2195,7 @@ def _backward(do, saved, geo, cfg):
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(
         HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
         GROUP=geo.group,
         CAUSAL=False,
         HAS_KPM=kpm is not None,

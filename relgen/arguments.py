@@ -22,7 +22,8 @@ from relgen.limits import quoted
 from relgen.spec import MechanismSpec
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+#: every multiple of 8 from 16 to 256: the kernels pad d to a power of two internally (relgen.config.head_block)
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
 #: the layouts of dense q, k, v and O: [B, H, N, d] (the default) and [B, N, H, d] (HF, FlashAttention), both read
 #: and written through their strides
 LAYOUTS = ("bhnd", "bnhd")
@@ -413,7 +414,7 @@ def _check_q(q, rank: int, expected: str) -> torch.Tensor:
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q: dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: head dim d must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+        raise ValueError(f"q: head dim d must be a multiple of 8 from 16 to 256, got {q.shape[-1]}")
     interpreted = interpreting()
     if q.device.type != "cuda" and not (interpreted and q.device.type == "cpu"):
         raise ValueError(

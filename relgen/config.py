@@ -193,6 +193,12 @@ class override_config:
         _override.pop()
 
 
+def head_block(head_dim: int) -> int:
+    """The tile width of the kernels along d: the power of two ≥ d (at least 16, tl.dot's least inner size). A
+    head dim that is not a power of two is padded to it, its loads and stores masked along d."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def default_config(
     dtype: torch.dtype, head_dim: int, seq_len: int, terms: tuple[str, ...] = ("query",), in_tile: bool = False
 ) -> KernelConfig:
@@ -200,8 +206,12 @@ def default_config(
     products from Ã (ablation no_projections)."""
     if interpreting():
         return INTERPRETER_CONFIG
-    big_d = head_dim > 64
+    # tiles follow the padded width: d = 80 or 96 runs d = 128's tiles
+    block_d = head_block(head_dim)
+    big_d = block_d > 64
     fp32 = dtype == torch.float32
+    if block_d > 128:
+        return _widest_config(fp32, terms)
     # a band tile that gathers both Z^Q and Z^K holds twice the per-score registers: on the H200 64-row forward
     # tiles beat 128 rows for query+key at every tuned length (1.9× at 512 and 2K, 1.35× at 8K; sm90.json)
     two_gathers = "query" in terms and "key" in terms
@@ -223,6 +233,25 @@ def default_config(
         project=ProjectTiles(128, 64, num_warps=4, num_stages=3),
         reduce=ReduceTiles(64, 64, 64 if not big_d else 32, num_warps=4, num_stages=2),
         backward_kv=replace(bwd, key_major=True) if two_gathers else None,
+    )
+
+
+def _widest_config(fp32: bool, terms: tuple[str, ...]) -> KernelConfig:
+    """Tiles for d up to 256 (BLOCK_D = 256): a [BN, 256] tile of K or V is 16 KB per 32 keys in fp16 (32 KB in
+    fp32), and each pipeline stage holds one of each, so key tiles shrink to 32 keys (16 in fp32) and the stages to
+    two, keeping the operands of a stage well inside the H200's 227 KB of shared memory per block; the key pass
+    keeps dK and dV [BN, 256] in fp32 registers, so its key tiles are 32 wide (16 in fp32) too."""
+    keys = 16 if fp32 else 32
+    fwd = AttnTiles(64 if not fp32 else 32, keys, num_warps=8, num_stages=2)
+    bwd = AttnTiles(64 if not fp32 else 32, keys, num_warps=8, num_stages=2)
+    kv = AttnTiles(32, keys, num_warps=8, num_stages=2, key_major="query" in terms and "key" in terms)
+    return KernelConfig(
+        group=128,
+        forward=fwd,
+        backward=bwd,
+        project=ProjectTiles(64, 64 if not fp32 else 32, num_warps=4, num_stages=2),
+        reduce=ReduceTiles(64, 32, 32, num_warps=4, num_stages=2),
+        backward_kv=kv,
     )
 
 

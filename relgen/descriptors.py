@@ -63,12 +63,16 @@ def _readable(t: torch.Tensor) -> bool:
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, *, varlen: bool, pairs: int) -> tuple[Any, Any]:
     """Host-side descriptors over K and V [B, H, N, d] with boxes [1, 1, BN, d], or (None, None) where TMA cannot
     read them or would not pay: descriptors switched off, fewer than MIN_PAIRS query-key pairs, packed sequences,
-    a GPU before Hopper, or a layout TMA does not accept.
+    a GPU before Hopper, a head dim that is not a power of two, or a layout TMA does not accept.
 
     k and v are the views the kernels index, and each descriptor takes its view's own strides: TMA addresses a box
     through any strides that are multiples of 16 bytes, so a 'bnhd' call's K and V (tokens H·d elements apart, heads
     d apart) are read in place like contiguous [B, H, N, d] ones."""
     if not enabled or pairs < MIN_PAIRS or varlen or not _supported(k.device):
+        return None, None
+    if k.shape[-1] & (k.shape[-1] - 1):
+        # a padded head dim (relgen.config.head_block): a box is a power of two wide, wider than the rows here, and
+        # those tiles keep the pointer loads, whose masks zero the padding
         return None, None
     if not (_readable(k) and _readable(v)):
         return None, None

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relgen.config import KernelConfig, capturing
+from relgen.config import KernelConfig, capturing, head_block
 
 LOG2E = 1.4426950408889634
 #: Rows of the per-token buffers (Z̃, dZ̃) start at multiples of this many elements (16 bytes in fp16). Kernels
@@ -191,6 +191,11 @@ class Geometry:
     def kv_group(self) -> int:
         """Query heads per key/value head (1: ordinary multi-head attention)."""
         return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def block_d(self) -> int:
+        """The kernels' tile width along d (relgen.config.head_block)."""
+        return head_block(self.head_dim)
 
     @property
     def shared_tables(self) -> bool:

@@ -198,7 +198,7 @@ def _bad_call(**changes):
     ("changes", "argument"),
     [
         ({"q": torch.zeros(2, 2, 8)}, "q"),
-        ({"q": torch.zeros(2, 2, 8, 24)}, "q"),
+        ({"q": torch.zeros(2, 2, 8, 20)}, "q"),  # d not a multiple of 8
         ({"k": torch.zeros(2, 3, 8, 16)}, "k"),
         ({"v": torch.zeros(2, 2, 9, 16)}, "v"),
         ({"q": torch.zeros(2, 2, 8, 16, dtype=torch.float64)}, "q"),

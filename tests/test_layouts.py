@@ -190,3 +190,61 @@ def test_bad_layout_arguments_raise_value_error_naming_them(changes, argument):
     if argument == "layout":  # the FP64 oracle refuses it too
         with pytest.raises(ValueError, match="layout"):
             reference.attention(spec, **args)
+
+
+# -- head dims: every multiple of 8 up to 256, padded to a power of two inside the kernels --------------------------
+@pytest.mark.parametrize(
+    ("name", "d"),
+    [("shaw", 24), (QUERY_KEY, 80), (ATOMIC, 96), ("t5_decoder", 256)],
+    ids=lambda x: _id(x) if not isinstance(x, int) else f"d{x}",
+)
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_padded_head_dims_match_the_reference(name, d, layout):
+    spec = load(name)
+    inputs = layout_inputs(spec, b=1, h=2, nq=21, nk=19, d=d, layout=layout, seed=d)
+    assert_all_close(compare(spec, inputs, layout=layout), f"{_id(name)} d={d} {layout}")
+
+
+@pytest.mark.parametrize("d", [8, 20, 100, 264, 512])
+def test_unsupported_head_dims_raise_value_error_naming_q(d):
+    spec = load("t5")
+    q, k, v = (torch.zeros(1, 2, 8, d, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match=r"^q: head dim d must be a multiple of 8 from 16 to 256, got"):
+        relgen.compile_mechanism(spec)(q, k, v, bias=torch.zeros(2, 32, device=DEVICE))
+
+
+def test_descriptors_only_for_head_dims_that_fill_a_box():
+    """A TMA box is a power of two wide: padded head dims keep the pointer loads, whose masks zero the padding."""
+    with descriptors.forced(True):
+        for d, described in ((16, True), (24, False), (96, False), (128, True), (192, False), (256, True)):
+            k = torch.zeros(1, 2, 64, d, device=DEVICE)
+            k_desc, v_desc = descriptors.kv_descriptors(k, k, 16, varlen=False, pairs=1)
+            assert (k_desc is not None) == described and (v_desc is not None) == described, d
+
+
+def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
+    """The resource heuristic's tiles (what a GPU runs without a tuned entry) keep the operand tiles a pipeline stage
+    holds (K and V tiles per stage, plus the resident Q or K, V tile) inside the H200's 227 KB per block, for every
+    supported head dim; d = 80 and 96 take d = 128's tiles (their padded width)."""
+    from relgen import config
+    from relgen.arguments import SUPPORTED_HEAD_DIMS
+
+    monkeypatch.setattr(config, "interpreting", lambda: False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        size = torch.finfo(dtype).bits // 8
+        for d in SUPPORTED_HEAD_DIMS:
+            for terms in (("query",), ("query", "key"), ("bias",)):
+                cfg = config.default_config(dtype, d, 8192, terms)
+                cfg.check()
+                width = config.head_block(d) * size
+                fwd, bwd, kv = cfg.forward, cfg.backward, cfg.key_pass
+                operands = {
+                    "forward": fwd.block_m * width + fwd.num_stages * 2 * fwd.block_n * width,
+                    "query pass": 2 * bwd.block_m * width + bwd.num_stages * 2 * bwd.block_n * width,
+                    "key pass": 2 * kv.block_n * width + kv.num_stages * 2 * kv.block_m * width,
+                    "projection": (cfg.project.block_t + cfg.project.num_stages * cfg.project.block_w) * width,
+                }
+                over = {name: b for name, b in operands.items() if b > 227 * 1024}
+                assert not over, (dtype, d, terms, over)
+        for d in (80, 96):
+            assert config.default_config(dtype, d, 8192) == config.default_config(dtype, 128, 8192)
