@@ -7,7 +7,7 @@ globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
         [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections]
-        [--dropout-seed int|tensor]
+        [--dropout-seed int|tensor] [--head-dim 64] [--kv-heads 2] [--layout bhnd|bnhd]
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def record(
     overrides: list[str],
     ablation: str | None,
     dropout_seed: str | None = None,
+    head_dim: int = 64,
+    kv_heads: int = 2,
+    layout: str = "bhnd",
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -91,10 +94,10 @@ def record(
     terms = tuple(plan.terms)
     # the configuration the GPU would run at `config_for` tokens: the committed table's entry for this
     # architecture, else the resource heuristic (asked for while not interpreting)
-    cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, 64, config_for)
+    cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, head_dim, config_for)
     if cfg is None:
         os.environ["TRITON_INTERPRET"] = "0"
-        cfg = runtime.default_config(torch_dtype, 64, config_for, terms, tuning.in_tile(plan))
+        cfg = runtime.default_config(torch_dtype, head_dim, config_for, terms, tuning.in_tile(plan))
         os.environ["TRITON_INTERPRET"] = "1"
     for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
         (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])
@@ -103,7 +106,7 @@ def record(
     print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
     rows = spec.map.num_rows(n)
-    shape = (rows, 64) if spec.heads_share_tables else (2, rows, 64)
+    shape = (rows, head_dim) if spec.heads_share_tables else (2, rows, head_dim)
     tables = {}
     if spec.has_query:
         tables["aq"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
@@ -111,10 +114,14 @@ def record(
         tables["ak"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
     if spec.has_bias:
         tables["bias"] = torch.randn(shape[:-1], requires_grad=True)
-    q, k, v = (torch.randn(1, 2, n, 64, dtype=torch_dtype, requires_grad=True) for _ in range(3))
-    options = {}
+    # two query heads; k and v with kv_heads of them (1: multi-query), in `layout`
+    q, k, v = (torch.randn(1, heads, n, head_dim, dtype=torch_dtype) for heads in (2, kv_heads, kv_heads))
+    if layout == "bnhd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    options = {"layout": layout}
     if dropout_seed is not None:  # the dropout kernels, with the seed as an int or read from a tensor
-        options = {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
+        options |= {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
     with runtime.override_config(cfg):
         out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation, **options)
         out.sum().backward()
@@ -234,6 +241,9 @@ def main() -> int:
     parser.add_argument(
         "--dropout-seed", choices=["int", "tensor"], default=None, help="compile the dropout kernels, seed as given"
     )
+    parser.add_argument("--head-dim", type=int, default=64, help="d of the recorded call (and of its tiles)")
+    parser.add_argument("--kv-heads", type=int, default=2, choices=(1, 2), help="key/value heads (of 2 query heads)")
+    parser.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd"), help="layout of q, k, v")
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
@@ -248,6 +258,9 @@ def main() -> int:
         args.tiles,
         args.ablation,
         args.dropout_seed,
+        args.head_dim,
+        args.kv_heads,
+        args.layout,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

@@ -477,8 +477,11 @@ def _project_kernel(
     FOLD_BIAS: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    X_GROUP: tl.constexpr,
 ):
-    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out."""
+    """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
+    Z̃ has rows per query head h (its table's), read from head h // X_GROUP of X (K's under grouped-query
+    attention)."""
     ZS = ZS_A * ROW_ALIGN
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
@@ -489,7 +492,7 @@ def _project_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
+    X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
     x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
@@ -529,7 +532,7 @@ def _fwd_range(
     k_desc,
     v_desc,
     b,
-    h,
+    hk,
     offs_m,
     zq_bh,
     ZK_b,
@@ -581,8 +584,8 @@ def _fwd_range(
         if UP:
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j_hi = tile * BLOCK_N + BLOCK_N - 1
-            k = k_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
-            v = v_desc.load([b, h, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            k = k_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            v = v_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
         else:
             offs_n, j_hi = _key_tile(tile, BLOCK_N)
             kv_ok = _d_mask(offs_n[:, None] < Nk, offs_d, HEAD_DIM, BLOCK_D)
@@ -694,6 +697,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    KV_GROUP: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -702,8 +706,9 @@ def _attn_fwd_kernel(
     REUSE: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """TMA: K_DESC, V_DESC are tensor descriptors over K and V [B, H, N, d] (boxes [1, 1, BN, d]) that the saturated
-    tiles load through; otherwise they are None and every tile loads through pointers."""
+    """Query head h reads key/value head h // KV_GROUP (grouped-query attention). TMA: K_DESC, V_DESC are tensor
+    descriptors over K and V [B, H_kv, N, d] (boxes [1, 1, BN, d]) that the saturated tiles load through; otherwise
+    they are None and every tile loads through pointers."""
     ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
@@ -728,8 +733,8 @@ def _attn_fwd_kernel(
     ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok0 * sv_n
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -747,7 +752,7 @@ def _attn_fwd_kernel(
         K_DESC,
         V_DESC,
         b,
-        h,
+        h // KV_GROUP,
         offs_m,
         zq_bh,
         ZK_b,
@@ -1108,6 +1113,7 @@ def _attn_bwd_q_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    KV_GROUP: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -1115,7 +1121,8 @@ def _attn_bwd_q_kernel(
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
 ):
-    """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes."""
+    """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes. Query head h reads
+    key/value head h // KV_GROUP."""
     ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
@@ -1152,8 +1159,8 @@ def _attn_bwd_q_kernel(
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok0 * sv_n
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -1512,6 +1519,7 @@ def _attn_bwd_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    KV_GROUP: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -1520,183 +1528,192 @@ def _attn_bwd_kv_kernel(
     REUSE: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
-    """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes. Its score tiles are
+    """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes. One program per key
+    tile of a key/value head, which the KV_GROUP query heads of its group read (grouped-query attention): it runs
+    over them in turn, summing their dK and dV in registers in a fixed order (deterministic, and no copy of K or V
+    per query head), while each query head's dZ̃^K rows (its own tables') are written apart. Its score tiles are
     [BM, BN] like the other passes', or [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
     ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    pid_n, bkv = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
-    b, h = bh // H, bh % H
-    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    H_KV = H // KV_GROUP
+    b, hk = bkv // H_KV, bkv % H_KV
+    bh_first = b * H + hk * KV_GROUP  # the group's first query head
+    tok0, Nq, Nk, _, _ = _sequence(bh_first, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     tok0 = tok0.to(tl.int64)
     j0 = pid_n * BLOCK_N
     offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < Nk
-    K_bh = K + b * sk_b + h * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + h * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + hk * sk_h + tok0 * sk_n
+    V_bh = V + b * sv_b + hk * sv_h + tok0 * sv_n
     kv_ok = _d_mask(col_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
-    ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
-    ZQE_b = ZQE + row_q.to(tl.int64) * 2
-    zk_bh = ZK + row_k.to(tl.int64) * ZSK
-    dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
-    bias_h = BIAS + h * sbias_h
-    col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
-    b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
     kpm_b = KPM + b * skpm_b
-    Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
-    DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
-    LSE_bh = LSE + row_q.to(tl.int64)
-    DELTA_bh = DELTA + row_q.to(tl.int64)
+    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    hi_sum = tl.zeros([BLOCK_N], tl.float32)
-    lo_sum = tl.zeros([BLOCK_N], tl.float32)
-    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    args = (
-        bh,
-        seed,
-        dropout_p,
-        Nq_all,
-        Nk_all,
-        Nq,
-        Nk,
-        DOFF,
-        LOW,
-        HIGH,
-        C,
-        WQ,
-        WK,
-        ZSQ,
-        ZSK,
-        q_win_base,
-        qk_scale,
-        tau,
-    )
-    common = (
-        k,
-        v,
-        Q_bh,
-        DO_bh,
-        LSE_bh,
-        DELTA_bh,
-        sq_n,
-        sdo_n,
-        offs_n,
-        j_hi,
-        ZQ_b,
-        ZQE_b,
-        zk_bh,
-        bias_h,
-        kpm_b,
-        t0,
-        col_hi,
-        col_lo,
-        b_hi,
-        b_lo,
-        dzk_rows,
-        COPY_MAP,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_start,
-        m_valid,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        True,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_valid,
-        m_lo,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        SAT_LOW,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_lo,
-        m_hi,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
-    dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-        dk,
-        dv,
-        hi_sum,
-        lo_sum,
-        *common,
-        m_hi,
-        m_end,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_M,
-        BLOCK_N,
-        GROUP,
-        SAT_HIGH,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        KEY_MAJOR,
-    )
+    for g in range(0, KV_GROUP):
+        bh = bh_first + g
+        h = bh % H
+        _, _, _, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
+        ZQE_b = ZQE + row_q.to(tl.int64) * 2
+        zk_bh = ZK + row_k.to(tl.int64) * ZSK
+        dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
+        bias_h = BIAS + h * sbias_h
+        col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
+        b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
+        Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
+        DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
+        LSE_bh = LSE + row_q.to(tl.int64)
+        DELTA_bh = DELTA + row_q.to(tl.int64)
+        hi_sum = tl.zeros([BLOCK_N], tl.float32)
+        lo_sum = tl.zeros([BLOCK_N], tl.float32)
+        args = (
+            bh,
+            seed,
+            dropout_p,
+            Nq_all,
+            Nk_all,
+            Nq,
+            Nk,
+            DOFF,
+            LOW,
+            HIGH,
+            C,
+            WQ,
+            WK,
+            ZSQ,
+            ZSK,
+            q_win_base,
+            qk_scale,
+            tau,
+        )
+        common = (
+            k,
+            v,
+            Q_bh,
+            DO_bh,
+            LSE_bh,
+            DELTA_bh,
+            sq_n,
+            sdo_n,
+            offs_n,
+            j_hi,
+            ZQ_b,
+            ZQE_b,
+            zk_bh,
+            bias_h,
+            kpm_b,
+            t0,
+            col_hi,
+            col_lo,
+            b_hi,
+            b_lo,
+            dzk_rows,
+            COPY_MAP,
+        )
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+            dk,
+            dv,
+            hi_sum,
+            lo_sum,
+            *common,
+            m_start,
+            m_valid,
+            *args,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            BLOCK_N,
+            GROUP,
+            BAND,
+            True,
+            CAUSAL,
+            HAS_KPM,
+            DROPOUT,
+            PREC,
+            KEY_MAJOR,
+        )
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+            dk,
+            dv,
+            hi_sum,
+            lo_sum,
+            *common,
+            m_valid,
+            m_lo,
+            *args,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            BLOCK_N,
+            GROUP,
+            SAT_LOW,
+            False,
+            CAUSAL,
+            HAS_KPM,
+            DROPOUT,
+            PREC,
+            KEY_MAJOR,
+        )
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+            dk,
+            dv,
+            hi_sum,
+            lo_sum,
+            *common,
+            m_lo,
+            m_hi,
+            *args,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            BLOCK_N,
+            GROUP,
+            BAND,
+            False,
+            CAUSAL,
+            HAS_KPM,
+            DROPOUT,
+            PREC,
+            KEY_MAJOR,
+        )
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
+            dk,
+            dv,
+            hi_sum,
+            lo_sum,
+            *common,
+            m_hi,
+            m_end,
+            *args,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_M,
+            BLOCK_N,
+            GROUP,
+            SAT_HIGH,
+            False,
+            CAUSAL,
+            HAS_KPM,
+            DROPOUT,
+            PREC,
+            KEY_MAJOR,
+        )
     tl.store(
-        DK + b * sdk_b + h * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
+        DK + b * sdk_b + hk * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=kv_ok,
     )
     tl.store(
-        DV + b * sdv_b + h * sdv_h + (tok0 + offs_n[:, None]) * sdv_n + offs_d[None, :],
+        DV + b * sdv_b + hk * sdv_h + (tok0 + offs_n[:, None]) * sdv_n + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
         mask=kv_ok,
     )
@@ -1734,36 +1751,44 @@ def _reduce_tokens_kernel(
     FP32_DZ: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
+    X_GROUP: tl.constexpr,
 ):
     """dX_t += Σ_w dZ̃[t, w] · Ã[start + w] over the token's own window, in place: DX holds the pass's direct
-    part, in the inputs' dtype (an fp32 partial would cost B·H·N·d·4 bytes at the backward's peak)."""
+    part, in the inputs' dtype (an fp32 partial would cost B·H·N·d·4 bytes at the backward's peak). One program
+    per token block of a head of X, which the X_GROUP query heads of its group read (dK under grouped-query
+    attention): their dZ̃ rows and tables are summed in a fixed order."""
     WDZ = WDZ_A * ROW_ALIGN
-    pid_t, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    tok0, nq, nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    pid_t, bx = tl.program_id(0), tl.program_id(1)
+    H_X = H // X_GROUP
+    b, hx = bx // H_X, bx % H_X
+    bh_first = b * H + hx * X_GROUP  # the group's first query head
+    tok0, nq, nk, _, _ = _sequence(bh_first, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
     Ntok = nq if SIGN == 1 else nk
-    row0 = row_q if SIGN == 1 else row_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    x_rows = b * sdx_b + h * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
+    x_rows = b * sdx_b + hx * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
     x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
-    dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
-    # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
-    for w0 in range(0, WDZ, BLOCK_W):
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        w_ok = offs_w < W
-        dz = tl.load(dz_rows[:, None] + offs_w[None, :], mask=t_ok[:, None] & (offs_w < WDZ)[None, :], other=0.0)
-        a = tl.load(
-            TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=_d_mask(w_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
-            other=0.0,
-        )
-        if FP32_DZ:
-            a = a.to(tl.float32)
-        acc += tl.dot(dz, a, input_precision=PREC)
+    for g in range(0, X_GROUP):
+        h = hx * X_GROUP + g
+        _, _, _, row_q, row_k = _sequence(bh_first + g, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        row0 = row_q if SIGN == 1 else row_k
+        dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
+        # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
+        for w0 in range(0, WDZ, BLOCK_W):
+            offs_w = w0 + tl.arange(0, BLOCK_W)
+            w_ok = offs_w < W
+            dz = tl.load(dz_rows[:, None] + offs_w[None, :], mask=t_ok[:, None] & (offs_w < WDZ)[None, :], other=0.0)
+            a = tl.load(
+                TABLE + h * st_h + (start + offs_w)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=_d_mask(w_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
+                other=0.0,
+            )
+            if FP32_DZ:
+                a = a.to(tl.float32)
+            acc += tl.dot(dz, a, input_precision=PREC)
     tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=x_ok)
 
 
@@ -1802,9 +1827,11 @@ def _reduce_table_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
 ):
     """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
-    Chunks are summed afterwards in a fixed order, so no atomics are needed."""
+    Chunks are summed afterwards in a fixed order, so no atomics are needed. Query head h's x_t is head
+    h // X_GROUP's of X (K's under grouped-query attention)."""
     WDZ = WDZ_A * ROW_ALIGN
     pid_s, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s_lo = pid_s * BLOCK_S
@@ -1824,7 +1851,7 @@ def _reduce_table_kernel(
         row0 = row_q if SIGN == 1 else row_k
         win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
         dz_bh = DZ + row0.to(tl.int64) * WDZ
-        X_bh = X + b * sx_b + h * sx_h + tok0.to(tl.int64) * sx_n
+        X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
         for g in range(0, tl.cdiv(Ntok, GROUP)):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
             if ALIGNED:  # the host checked that every window starts on a multiple of 16: say so, for vector loads
@@ -1979,6 +2006,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         FOLD_BIAS=bias is not None,
         VARLEN=geo.varlen,
         PREC=geo.prec,
+        X_GROUP=1 if query_side else geo.kv_group,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -2037,6 +2065,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
         GROUP=geo.group,
+        KV_GROUP=geo.kv_group,
         CAUSAL=True,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_p > 0,
@@ -2057,8 +2086,9 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
     c = cfg.reduce
     cu = geo.cu_seqlens_or(dz)
     sign = 1 if query_side else -1
+    x_group = 1 if query_side else geo.kv_group  # query heads per head of x
     if want_table:
-        grid = (_rt.cdiv(ntok, c.block_t), geo.batch * geo.heads)
+        grid = (_rt.cdiv(ntok, c.block_t), geo.batch * geo.heads // x_group)
         _reduce_tokens_kernel[grid](
             dz,
             table,
@@ -2081,6 +2111,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
             FP32_DZ=red.fp32,
             VARLEN=geo.varlen,
             PREC=red.prec,
+            X_GROUP=x_group,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
@@ -2119,6 +2150,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
         VARLEN=geo.varlen,
         PREC=red.prec,
         ALIGNED=red.aligned,
+        X_GROUP=x_group,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -2195,6 +2227,7 @@ def _backward(do, saved, geo, cfg):
         HEAD_DIM=geo.head_dim,
         BLOCK_D=geo.block_d,
         GROUP=geo.group,
+        KV_GROUP=geo.kv_group,
         CAUSAL=True,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_p > 0,
@@ -2248,7 +2281,7 @@ def _backward(do, saved, geo, cfg):
     dv = torch.empty_like(v)
     ck = cfg.key_pass
     bwd_kv = _for_lengths(_attn_bwd_kv_kernel, _attn_bwd_kv_any_length, geo)
-    bwd_kv[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.heads)](
+    bwd_kv[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.kv_heads)](
         q,
         k,
         v,

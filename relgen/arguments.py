@@ -251,8 +251,6 @@ def check_call(
                     f"{name}: the last position {name} + N{name[0]} = {offset} + {n} exceeds relgen.arguments."
                     f"MAX_POSITION = {MAX_POSITION}, the largest absolute position the kernels hold exactly"
                 )
-    if h_kv != h:
-        raise NotImplementedError(f"k: grouped-query attention (H_kv = {h_kv} of H = {h} heads) is not supported yet")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")

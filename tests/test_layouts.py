@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import relgen
 from relgen import descriptors, reference
-from relgen.testing import check_close
+from relgen.testing import check_close, dropout_keep_mask
+from relgen.verify import gradient_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,11 +138,12 @@ def test_packed_calls_take_either_layout():
     assert outs[0].shape == q.shape and torch.equal(outs[0], outs[1])
 
 
-def test_bnhd_under_torch_compile_gives_the_eager_bits():
+def test_bnhd_and_grouped_query_attention_under_torch_compile_give_the_eager_bits():
+    """The custom ops take `layout` and k, v with H_kv heads: a compiled call is the eager call, bit for bit."""
     from torch._dynamo.backends.debugging import aot_eager
 
     spec = load(QUERY_KEY)
-    inputs = layout_inputs(spec, b=2, h=2, nq=20, layout="bnhd", seed=9)
+    inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=20, layout="bnhd", seed=9)
     leaves = list(inputs.leaves.values())
     fn = relgen.compile_mechanism(spec)
     torch._dynamo.reset()
@@ -157,12 +159,12 @@ def test_bnhd_under_torch_compile_gives_the_eager_bits():
 
 
 def test_bnhd_saturated_tiles_read_through_descriptors_with_the_views_strides():
-    """The forward's saturated tiles load K and V through tensor descriptors over the [B, H, N, d] views: for a
-    'bnhd' call, descriptors with the view's strides (tokens H·d apart), checked here in the interpreter's TMA
+    """The forward's saturated tiles load K and V through tensor descriptors over the [B, H_kv, N, d] views: for a
+    'bnhd' call, descriptors with the view's strides (tokens H_kv·d apart), checked here in the interpreter's TMA
     emulation (the descriptors stay off below MIN_PAIRS unless forced)."""
     spec = load(QUERY_KEY)  # saturates beyond [-8, 6]: saturated key tiles at N = 48
-    inputs = layout_inputs(spec, b=1, h=2, nq=48, layout="bnhd", seed=4)
-    k_view = inputs.k.detach().transpose(1, 2)
+    inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=48, layout="bnhd", seed=4)
+    k_view = inputs.k.detach().transpose(1, 2)  # [1, 2, 48, 16], the query heads reading head h // 2
     with descriptors.forced(True):
         k_desc, _ = descriptors.kv_descriptors(k_view, k_view, 16, varlen=False, pairs=1)
         assert list(k_desc.strides) == list(k_view.stride()) == [48 * 2 * 16, 16, 2 * 16, 1]
@@ -248,3 +250,172 @@ def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
                 assert not over, (dtype, d, terms, over)
         for d in (80, 96):
             assert config.default_config(dtype, d, 8192) == config.default_config(dtype, 128, 8192)
+
+
+# -- grouped-query attention: k and v with H_kv heads, query head h reading key/value head h // (H / H_kv) ----------
+@pytest.mark.parametrize(
+    ("name", "h", "h_kv", "layout", "d"),
+    [
+        ("shaw", 4, 2, "bhnd", 16),
+        ("shaw", 4, 1, "bnhd", 16),
+        (QUERY_KEY, 4, 2, "bnhd", 16),
+        (QUERY_KEY, 4, 1, "bhnd", 16),
+        (QUERY_KEY, 4, 2, "bhnd", 80),
+        (ATOMIC, 4, 2, "bhnd", 16),
+        (ATOMIC, 2, 1, "bnhd", 24),
+        ("t5_decoder", 4, 1, "bnhd", 16),
+        ("wav2vec2_bert", 4, 2, "bhnd", 16),  # tables shared by all heads
+    ],
+    ids=lambda x: _id(x) if isinstance(x, dict) else str(x),
+)
+def test_grouped_query_attention_matches_the_reference(name, h, h_kv, layout, d):
+    spec = load(name)
+    inputs = layout_inputs(spec, b=1, h=h, h_kv=h_kv, nq=23, nk=18, d=d, layout=layout, seed=h_kv)
+    assert_all_close(compare(spec, inputs, layout=layout), f"{_id(name)} H={h} H_kv={h_kv} {layout} d={d}")
+
+
+def test_grouped_query_attention_expands_no_key_or_value_head():
+    """dK and dV are summed over each group inside the kernels: no tensor of K's shape with H heads (a
+    repeat_interleave of k or v, or an fp32 partial per query head) is ever made, forward or backward."""
+    spec = load(QUERY_KEY)
+    inputs = layout_inputs(spec, b=1, h=4, h_kv=1, nq=20, nk=24, layout="bnhd", seed=5)
+    expanded = {(1, 24, 4, 16), (1, 4, 24, 16)}
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made: set[tuple[int, ...]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made.add(tuple(t.shape))
+            return out
+
+    fn = relgen.compile_mechanism(spec)
+    with Shapes() as shapes:
+        out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, layout="bnhd")
+        grads = torch.autograd.grad(out, [inputs.k, inputs.v], torch.randn_like(out))
+    assert not expanded & shapes.made, expanded & shapes.made
+    assert all(g.shape == (1, 24, 1, 16) for g in grads)
+
+
+def test_grouped_query_attention_is_deterministic_and_drops_out_per_query_head():
+    """Two identical backward passes give the same bits (dK, dV summed over the group in a fixed order), and
+    dropout draws each query head's own mask, the one the testing helper regenerates for [B, H, Nq, Nk]."""
+    spec = load(QUERY_KEY)
+    inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=30, layout="bnhd", seed=7)
+    first, second = gradient_runs(spec, inputs, layout="bnhd", dropout_p=0.3, dropout_seed=11)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    keep = dropout_keep_mask((1, 4, 30, 30), 0.3, 11, device=DEVICE)
+    results = compare(spec, inputs, layout="bnhd", dropout_p=0.3, dropout_seed=11, keep_mask=keep)
+    assert_all_close(results, "dropout, H=4, H_kv=2")
+
+
+def test_grouped_query_attention_with_packed_sequences():
+    """Packed q [total, H, d] with k, v [total, H_kv, d]; each sequence attends within itself."""
+    spec = load(QUERY_KEY)
+    cu = torch.tensor([0, 9, 30], dtype=torch.int32, device=DEVICE)
+    base = layout_inputs(spec, b=1, h=4, h_kv=2, nq=30, seed=12)
+    q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (base.q, base.k, base.v))
+    packed = Inputs(q, k, v, base.tables)
+    assert_all_close(compare(spec, packed, cu_seqlens=cu, max_seqlen=21), "packed, H=4, H_kv=2")
+
+
+@pytest.mark.parametrize(
+    ("shapes", "argument"),
+    [
+        ({"k": (1, 3, 8, 16), "v": (1, 3, 8, 16)}, "k"),  # 4 query heads are not a multiple of 3
+        ({"k": (1, 8, 2, 16), "v": (1, 8, 2, 16)}, "k"),  # [B, N, H, d] given to a 'bhnd' call: H_kv = 8
+        ({"v": (1, 1, 8, 16)}, "v"),  # v's heads differ from k's
+    ],
+)
+def test_bad_key_value_heads_raise_value_error_naming_them(shapes, argument):
+    spec = load("shaw")
+    fn = relgen.compile_mechanism(spec)
+    tensors = {"q": (1, 4, 8, 16), "k": (1, 2, 8, 16), "v": (1, 2, 8, 16), **shapes}
+    args = {name: torch.zeros(shape, device=DEVICE) for name, shape in tensors.items()}
+    with pytest.raises(ValueError, match=rf"^{argument}\b"):
+        fn(**args, aq=torch.zeros(4, 513, 16, device=DEVICE))
+    packed = {name: t[0].transpose(0, 1) for name, t in args.items()}  # [8, H, 16]
+    if argument == "k" and packed["k"].shape[1] == 3:
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match=r"^k\b"):
+            fn(**packed, aq=torch.zeros(4, 513, 16, device=DEVICE), cu_seqlens=cu)
+
+
+# -- on a GPU (run on the H200): fp16 and bf16 up to N = 8K by the paper's criterion ---------------------------------
+GPU_CASES = [  # (spec, layout, H, H_kv, d)
+    ("shaw", "bnhd", 4, 1, 128),
+    ("deberta_v3", "bnhd", 4, 2, 64),
+    ("t5", "bhnd", 4, 2, 96),
+    ("txl", "bnhd", 2, 2, 256),
+    (ATOMIC, "bnhd", 4, 2, 80),
+]
+
+
+def _compare_long(spec, inputs, dtype, layout):
+    """Output and every gradient against test_gpu's decomposed FP64 reference ([B, H, N, N] scores, which fits at
+    8K), given [B, H, N, d] views of the inputs with k and v repeated to H heads: what the kernels must equal."""
+    from test_gpu import decomposed_reference
+
+    def heads_major(t):
+        return t.transpose(1, 2) if layout == "bnhd" else t
+
+    q, k, v = (heads_major(t) for t in (inputs.q, inputs.k, inputs.v))
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    out = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, layout=layout)
+    ref = heads_major(decomposed_reference(spec, q, k, v, **inputs.tables))
+    results = [("out", *check_close(out, ref, dtype))]
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    names, leaves = zip(*inputs.leaves.items(), strict=True)
+    got = torch.autograd.grad(out, leaves, do)
+    want = torch.autograd.grad(ref, leaves, do.double())
+    return results + [(f"d{n}", *check_close(g, w, dtype)) for n, g, w in zip(names, got, want, strict=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [1000, 4096, 8192])
+@pytest.mark.parametrize(
+    ("name", "layout", "h", "h_kv", "d"), GPU_CASES, ids=lambda x: _id(x) if isinstance(x, dict) else str(x)
+)
+def test_layouts_and_grouped_query_attention_on_gpu(name, layout, h, h_kv, d, n, dtype):
+    spec = load(name)
+    inputs = layout_inputs(spec, b=1, h=h, h_kv=h_kv, nq=n, d=d, layout=layout, seed=n + d, dtype=dtype)
+    results = _compare_long(spec, inputs, dtype, layout)
+    assert_all_close(results, f"{_id(name)} {layout} H={h} H_kv={h_kv} d={d} N={n} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [24, 40, 80, 96, 160, 192, 256])
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5_decoder"])
+def test_head_dims_on_gpu(name, d, dtype):
+    """Every kind of padding (to 32, 64, 128, 256) in the compiled kernels, fp32 exact like the others."""
+    spec = load(name)
+    inputs = layout_inputs(spec, b=2, h=2, nq=700, nk=611, d=d, layout="bnhd", seed=d, dtype=dtype)
+    assert_all_close(compare(spec, inputs, dtype=dtype, layout="bnhd"), f"{name} d={d} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("h", "h_kv"), [(4, 1), (4, 2), (8, 2)])
+def test_bnhd_and_grouped_query_attention_through_descriptors_on_gpu(h, h_kv):
+    """The saturated tiles' TMA loads over [B, H_kv, N, d] views with a 'bnhd' call's strides, on Hopper."""
+    spec = load("shaw")  # saturates beyond ±256: saturated tiles from N = 512 on
+    inputs = layout_inputs(spec, b=1, h=h, h_kv=h_kv, nq=2048, d=64, layout="bnhd", seed=h, dtype=torch.float16)
+    with descriptors.forced(True):
+        results = compare(spec, inputs, dtype=torch.float16, layout="bnhd")
+    assert_all_close(results, f"shaw bnhd H={h} H_kv={h_kv} descriptors")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
+def test_grouped_query_attention_is_bitwise_deterministic_on_gpu(name):
+    spec = load(name)
+    inputs = layout_inputs(spec, b=2, h=8, h_kv=2, nq=2048, d=128, layout="bnhd", seed=3, dtype=torch.float16)
+    runs = gradient_runs(spec, inputs, runs=3, layout="bnhd")
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
