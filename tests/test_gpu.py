@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kernel_cases import MAP_KINDS, SPECS, assert_all_close, compare, make_inputs, random_specs
 
 import relgen
-from relgen import reference
+from relgen import config, reference
 from relgen.testing import check_close, dropout_keep_mask
 from relgen.verify import gradient_runs
 
@@ -286,10 +286,12 @@ def _report(kind, figures):
 
 
 def _expected_forward_bytes(spec, b, h, n, d):
-    """What the plan says the forward stores: O, LSE and the projections over each group's window."""
+    """What the plan says the forward stores: O, LSE and the projections over each group's window, in the
+    projection storage calls use now (relgen.config: fp32 by default, 2 bytes an entry under fp16)."""
     plan = relgen.analyze(spec, n)
     tables = int(spec.has_query) + int(spec.has_key)
-    return b * h * n * (d * 2 + 4 + tables * plan.query_window * 2)
+    entry = 2 if config.projection_storage() == "fp16" else 4
+    return b * h * n * (d * 2 + 4 + tables * plan.query_window * entry)
 
 
 @needs_cuda
