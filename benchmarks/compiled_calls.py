@@ -1,11 +1,11 @@
 """relgen called eagerly against the same call inside torch.compile (its custom ops, relgen.custom_ops), with and
 without CUDA graphs, on the benchmark's problem (16K tokens, H = 12, d = 64, fp16).
 
-At N ≤ 1K an eager call is host-bound on the H200 (NOTES.md, seventeenth session: the host takes as long as the
+At N ≤ 1K an eager call is host-bound on the H200 (docs/performance.md, host time: the host takes as long as the
 kernels); under torch.compile(mode="reduce-overhead") the calls are captured once into a CUDA graph and replayed
 with no host work per kernel, which is what such lengths need. The inputs are marked static, as activations
 computed inside a model's graph are (a graph input is copied into the CUDA graph's own buffer at every replay:
-+50–60 µs per forward at 16K tokens in the first run, sessions/2026-11-30_twentyfirst_call1_*). Times are
++50–60 µs per forward at 16K tokens as measured on the H200). Times are
 triton.testing.do_bench medians (L2 flushed) of the forward alone and of a step (forward, then every gradient),
 one process per (spec, N), systems in alternating order, every compiled result checked bit for bit against the
 eager call first.

@@ -1,7 +1,7 @@
 """relgen's own host time per call, without a GPU: every Triton launch of the generated module is replaced by a
 no-op, so what remains is argument checking, geometry, tile selection, buffer allocation and autograd glue.
 
-At N ≤ 1K a call is host-bound on the H200 (benchmarks/results/h200/NOTES.md), and this part of it can be
+At N ≤ 1K a call is host-bound on the H200 (docs/performance.md), and this part of it can be
 measured and trimmed on any machine. Triton's own launcher (tens of µs per launch) is not included: time it on
 the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call.
 

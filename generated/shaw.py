@@ -86,7 +86,7 @@ _LENGTHS = ["Nq_all", "Nk_all"]
 
 
 # ------------------------------------------------------------------------------------------------------------
-# index arithmetic (ALGORITHM.md): s(δ) = clip(δ, L, U) − L;  window start = clip(±g·G + base, 0, C − W)
+# index arithmetic (docs/algorithm.md): s(δ) = clip(δ, L, U) − L;  window start = clip(±g·G + base, 0, C − W)
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _column(delta, LOW, HIGH):
@@ -313,7 +313,7 @@ def _clamped_run(rows, first, u, W, KEY_MAJOR: tl.constexpr):
     """An edge band tile's entries of the query projection (or of b̃) without a mask: query i (row pointer rows_i,
     spread over the tile, or one pointer for all) reads its window's columns first_i + u along the tile's keys,
     each clamped into [0, W). For every pair that exists that is the clip inside s(δ), since a window holds an end
-    column whenever one of its pairs saturates (ALGORITHM.md, reachable windows): saturated pairs read their end
+    column whenever one of its pairs saturates (docs/algorithm.md, reachable windows): saturated pairs read their end
     entries and need no end term. Queries past the sequence's end must come with rows clamped to its last token,
     so that they too stay inside a row."""
     cols = tl.minimum(tl.maximum(_along_queries(first, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), 0), W - 1)
@@ -2143,7 +2143,7 @@ def _for_lengths(kernel, any_length, geo):
 
 def _strides(t):
     """(batch, head, token) strides: [B, H, N, d] tensors, or packed [total, H, d] ones (no batch stride). One
-    stride() call: each is a call into torch, and a backward takes ~15 of these (host path, seventeenth session)."""
+    stride() call: each is a call into torch, and a backward takes ~15 of these (host path, measured on the H200)."""
     s = t.stride()
     return (s[0], s[1], s[2]) if len(s) == 4 else (0, s[1], s[0])
 

@@ -198,14 +198,14 @@ class GenerationFlags:
     fused_zq: bool
     # band runs split off their interior tiles (kind INNER: no predicates, end terms or boundary sums) where a band
     # score gathers a projection; a bias-only band reads one cached b̃ value per score, and on the H200 the split's
-    # extra loops cost T5 3-12% in the backward (benchmarks/results/h200/NOTES.md)
+    # extra loops cost T5 3-12% in the backward (docs/performance.md)
     inner_runs: bool
     # the forward's edge band tiles read their entries at the clamped column (the clip inside s(δ)), with no pair
     # mask and no end term, where every term is a query-side run (Z̃^Q, b̃) of a saturating map. Clamping hides a
     # run's contiguity from the compiler, which costs the key side's runs along the queries, and the backward
     # computes the pair masks for its dZ̃ anyway: clamped everywhere, DeBERTa's and TXL's backwards were 3-9 %
     # slower on the H200. Forward only (H200, fp16): Shaw −3 % at 512, −2 % at 1K, within noise at 8K; T5 −3 % at
-    # 8K (benchmarks/results/h200/NOTES.md)
+    # 8K (docs/performance.md)
     clip_band: bool
     end_terms: Source  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     end_shift: Source  # their per-query part: query and b̃ (kernel `_end_shift`; "0.0" when there is none)

@@ -218,7 +218,7 @@ def default_config(
     # in-tile products hold a [BM, BM + BN − 1] window of fp32 products per band tile: with 128 rows Shaw's 8K
     # forward spills 38 KB per thread, with 64 rows 2 KB (benchmarks/compile_check.py, sm_90)
     wide_rows = not (fp32 or two_gathers or in_tile)
-    # 4 warps beat 8 on the H200 for every shipped spec at 8K (benchmarks/results/h200/NOTES.md, tile sweep)
+    # 4 warps beat 8 on the H200 for every shipped spec at 8K (docs/performance.md, tile tuning)
     fwd = AttnTiles(
         128 if wide_rows else 64,
         64 if not big_d else 32,

@@ -8,7 +8,7 @@ kernels at run time. Both ops run the generated module's own forward and backwar
 compiled call computes bit for bit what an eager one does.
 
 Eager calls do not go through these ops: the dispatcher adds ~10 µs per op, and at N ≤ 1K a call is host-bound
-(benchmarks/results/h200/NOTES.md). They take the module's autograd.Function, which runs the same passes.
+(docs/performance.md). They take the module's autograd.Function, which runs the same passes.
 
 Under torch.compile:
 - dropout needs an explicit `dropout_seed` (a seed drawn inside the compiled graph would reach the backward only

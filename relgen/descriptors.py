@@ -19,9 +19,10 @@ from relgen.config import interpreting
 enabled = True
 
 #: query-key pairs (B·H·Nq·Nk) of a call below which its saturated tiles load through pointers. Triton encodes
-#: each descriptor on the host at every launch (~40 µs of host time per forward on the H200's host, tenth
-#: session), while TMA saves 1-3 % of the forward's GPU time: that pays only where the GPU, not the host, bounds
-#: the call. The benchmark's 1K forward (2^27.6 pairs, 0.22 ms for T5) is host-bound, its 2K forward is not.
+#: each descriptor on the host at every launch (~40 µs of host time per forward on the H200's host,
+#: docs/performance.md), while TMA saves 1-3 % of the forward's GPU time: that pays only where the GPU, not the
+#: host, bounds the call. The benchmark's 1K forward (2^27.6 pairs, 0.22 ms for T5) is host-bound, its 2K
+#: forward is not.
 MIN_PAIRS = 1 << 28
 
 

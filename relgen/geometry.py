@@ -295,7 +295,7 @@ class Geometry:
         )
 
     def windows_aligned(self, query_side: bool) -> bool:
-        """Whether every group's window start clip(±gG + base, 0, C − W) is a multiple of 16 (ALGORITHM.md's
+        """Whether every group's window start clip(±gG + base, 0, C − W) is a multiple of 16 (docs/algorithm.md's
         window formula; base as in the kernels' `_window_base`). Packed sequences have a base per sequence: no."""
         width = self.wq if query_side else self.wk
         if self.c == width:

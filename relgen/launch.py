@@ -4,7 +4,7 @@
 tensor's dtype and 16-byte alignment, an integer's width, divisibility by 16 and whether it equals 1, which
 arguments are None) and the cache key of the compiled kernel, before its C launcher runs. A relgen forward passes
 ~40 arguments per launch, so at N ≤ 1K, where a call is host-bound on the H200, that bookkeeping is a visible share
-of the call (benchmarks/results/h200/NOTES.md, "Tenth session").
+of the call (docs/performance.md, host time).
 
 `Launcher` keeps the compiled kernel Triton returned under a *fingerprint* of the launch: the integers' values
 (only their width for the kernel's `do_not_specialize` parameters, e.g. a per-step dropout seed, so that a new

@@ -29,7 +29,7 @@ iff max|a| ≤ 1e-5 (float32/64: the rounding noise of a gradient that cancels e
 or 0.03 (half types). Zero means max|e| ≤ 1e-12: the FP64 oracle sums a gradient that cancels exactly (dÃ of a
 table row that every pair reads: Σ_j dS_ij = 0) to a residue of ~1e-15, not to 0, and that residue must not move
 the tensor from this rule to the 2e-6 floor above (it did: a random spec's fp32 dÃ^Q of 2.03e-6 against an
-expected −2.6e-15 failed, while an exact 0 would have passed; seventeenth session). 1e-12 lies six orders of
+expected −2.6e-15 failed, while an exact 0 would have passed). 1e-12 lies six orders of
 magnitude below the smallest allowance, so no tensor the elementwise rule could tell from zero is taken for zero.
 Shapes must match exactly.
 """

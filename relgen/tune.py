@@ -51,7 +51,7 @@ GROUP = 128
 #: Candidate tiles. Forward / backward: (block_m, block_n, num_warps, num_stages).
 #: 64x64 with 8 warps and 64x32: no spills by ptxas for query+key band tiles, where 64x64 with 4 warps spills.
 #: 128x64 with 4 warps and 4 stages: the fastest plain attention of the forward's design on the H200
-#: (benchmarks/plain_ceiling.py, NOTES.md ninth session). 64x128: fewer, wider key tiles for short lengths, where
+#: (benchmarks/plain_ceiling.py, docs/performance.md). 64x128: fewer, wider key tiles for short lengths, where
 #: band tiles are most of the work (sm_90 at 512: T5 230 registers, no spills, 106 KB shared; Shaw, TXL and
 #: DeBERTa spill 0.2-2 KB with it).
 FORWARD_TILES = (
@@ -82,10 +82,10 @@ KEY_PASS_TILES = (
 #: Projection: (block_t, block_w, num_warps, num_stages); reduction: (block_t, block_w, block_s, warps, stages).
 #: A forward that writes its own Z̃^Q (GenerationFlags.fused_zq) takes only block_w from these, as its prologue's
 #: column tile: 32 and 128 are there for it (H200, 8K: DeBERTa 2.349 ms with 128 against 2.366 with 64; Shaw
-#: 1.221 with 32 against 1.232; NOTES.md, twelfth session).
+#: 1.221 with 32 against 1.232; docs/performance.md).
 PROJECT_TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (128, 128, 8, 2))
 #: 64x64x64 with 3 stages: the table reduction −10 to −19 % for Shaw at 512–8K, −10 % for DeBERTa at 2K / 8K,
-#: −13 % for TXL at 128 / 512, but +5 % for DeBERTa at 128 / 512 (H200, NOTES.md, eighteenth session; measured on a
+#: −13 % for TXL at 128 / 512, but +5 % for DeBERTa at 128 / 512 (H200, docs/performance.md; measured on a
 #: flatter loop whose 2-stage times equal this one's within 1 %): so a candidate per bucket, not a new default
 REDUCE_TILES = ((64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (128, 64, 32, 8, 2))
 

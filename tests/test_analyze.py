@@ -1,7 +1,7 @@
 """The analyzer against brute force: every Plan field that indexing depends on, for random maps of every kind.
 
 Brute force walks the window δ ∈ [−(N−1), N−1] with the map's `row_ids` (the single definition of φ) and
-rebuilds rows, intervals, saturation bounds, the copy map and the reachable windows of shared/ALGORITHM.md
+rebuilds rows, intervals, saturation bounds, the copy map and the reachable windows of docs/algorithm.md
 without looking at how relgen.analyze computes them.
 """
 
@@ -108,7 +108,7 @@ def brute_saturation(deltas, rows):
 
 
 def check_windows(s, n, low, high, group):
-    """ALGORITHM.md's reachable windows for group size `group`: every pair lands inside its group's window."""
+    """docs/algorithm.md's reachable windows for group size `group`: every pair lands inside its group's window."""
     c = high - low + 1
     width = min(c, n + group - 1)
     for g in range(-(-n // group)):
@@ -225,7 +225,7 @@ def test_t5_decoder_causal():
     plan = analyze(spec, 1024)
     decoder = T5Map(kind="t5", bidirectional=False)
     first_saturated = next(n for n in range(1, 1000) if decoder.row_ids(np.array([n]), 1)[0] == 31)
-    assert first_saturated == 113  # MECHANISMS.md: decoder bucket 31 from n = 113
+    assert first_saturated == 113  # docs/mechanisms.md: decoder bucket 31 from n = 113
     assert (plan.saturation_low, plan.saturation_high) == (0, 113)
     assert plan.saturation_proven
 

@@ -573,7 +573,7 @@ def test_report_formatting():
     assert [report.fmt_tflops(x) for x in (279.4, 44.2, 7.14, 0.744, 0.0351)] == ["279", "44", "7.1", "0.74", "0.035"]
     assert [report.fmt_mib(x) for x in (222.0, 1228.8, 14336.0)] == ["222", "1.2K", "14K"]
     assert [report.fmt_n(n) for n in (128, 1024, 8192)] == ["128", "1K", "8K"]
-    # a tie at three digits is printed apart (the fifteenth session's T5 forward at 512)
+    # a tie at three digits is printed apart (a measured T5 forward at 512 on the H200)
     assert report.fmt_apart(0.16287999, 0.16307200) == ("0.1629", "0.1631")
     assert report.fmt_apart(0.2, 0.35) == ("0.2", "0.35")
     assert report.fmt_apart(1.0, 1.0) == ("1", "1")

@@ -314,7 +314,7 @@ def test_eager_calls_replay_from_a_captured_cuda_graph(name):
 def test_a_first_call_under_cuda_graphs_builds_its_constants_outside_the_graphs_pool(name):
     """The plan's device constants (the copy map β, the fold runs) are built by the first call that needs them and
     kept. When that call is torch.compile's CUDA-graph warm-up, they must not come from the graph's private pool:
-    cudagraph trees reject a tensor there that outlives the outputs (twenty-second session, call 2)."""
+    cudagraph trees reject a tensor there that outlives the outputs (seen under torch.compile on the H200)."""
     spec = load(name)
     fn = relgen.compile_mechanism(spec)
     fn.module.PLAN.constants.clear()  # as in a fresh process

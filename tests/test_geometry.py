@@ -23,7 +23,7 @@ def geometry(module, inputs, **options):
 
 
 def window_starts(geo, query_side: bool) -> list[int]:
-    """clip(±gG + base, 0, C − W) for every group (ALGORITHM.md), as the kernels' `_window_start` computes it."""
+    """clip(±gG + base, 0, C − W) for every group (docs/algorithm.md), as the kernels' `_window_start` computes it."""
     width = geo.wq if query_side else geo.wk
     tokens = geo.nq if query_side else geo.nk
     base = geo.doff - (geo.nk - 1 if query_side else geo.group - 1) - geo.low

@@ -1,4 +1,4 @@
-"""The maps' row ids against the values read from the models (shared/MECHANISMS.md) and brute-force invariants."""
+"""The maps' row ids against the values read from the models (docs/mechanisms.md) and brute-force invariants."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def rows(m, deltas, length=1):
 
 def test_deberta_v3_buckets():
     m = LogMap(kind="log", position_buckets=256, max_position=512)
-    # make_log_bucket_position samples (MECHANISMS.md §1), φ = clamp(bucket + 256, 0, 511)
+    # make_log_bucket_position samples (docs/mechanisms.md, DeBERTa), φ = clamp(bucket + 256, 0, 511)
     samples = {129: 129, 130: 130, 135: 133, 150: 143, 200: 169, 256: 192, 300: 207, 400: 233, 500: 254}
     samples |= {d: 255 for d in range(506, 512)} | {512: 256, 1000: 317, 5000: 465}
     for delta, bucket in samples.items():

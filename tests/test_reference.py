@@ -1,6 +1,6 @@
 """The FP64 oracle against a textbook formula written here independently.
 
-The textbook side computes φ with the models' own formulas (shared/MECHANISMS.md, paper §3.2) in plain Python,
+The textbook side computes φ with the models' own formulas (docs/mechanisms.md, paper §3.2) in plain Python,
 and S_ij, the softmax and O with explicit loops over i and j: it shares no code with relgen.reference or
 relgen.maps, so agreement checks both the reference's tensor algebra and the maps' row ids.
 """
@@ -31,7 +31,7 @@ def phi_clipped(delta: int, lo: int, hi: int, key_minus_query: bool = False) -> 
 
 
 def phi_t5(delta: int, num_buckets: int, max_distance: int, bidirectional: bool) -> int:
-    """HF T5 _relative_position_bucket(j − i, ...) as written in MECHANISMS.md §2."""
+    """HF T5 _relative_position_bucket(j − i, ...) as written in docs/mechanisms.md (T5)."""
     rp = -delta  # memory − query
     if bidirectional:
         nb = num_buckets // 2

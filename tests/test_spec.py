@@ -1,5 +1,5 @@
 """The spec language: loading, defaults, scales, safe expressions, and every map kind's row ids against brute force
-and against the models' own conventions (../shared/MECHANISMS.md)."""
+and against the models' own conventions (docs/mechanisms.md)."""
 
 from __future__ import annotations
 
@@ -238,7 +238,7 @@ def test_t5_rows(bidirectional, num_buckets, max_distance):
     assert m.num_rows(7) == num_buckets
 
 
-# first distance n = |i − j| of each bucket (MECHANISMS.md §2)
+# first distance n = |i − j| of each bucket (docs/mechanisms.md, T5)
 T5_ENCODER_FIRST = {**{b: b for b in range(8)}, 8: 8, 9: 12, 10: 16, 11: 23, 12: 32, 13: 46, 14: 64, 15: 91}
 T5_DECODER_FIRST = {
     **{b: b for b in range(16)},
@@ -292,7 +292,7 @@ DEBERTA_SAMPLES |= {d: 255 for d in range(506, 512)} | {512: 256, 1000: 317, 500
 def test_deberta_samples():
     m = load_spec(SPECS / "deberta_v3.yaml").map
     for delta, bucket in DEBERTA_SAMPLES.items():
-        assert deberta_bucket(delta) == bucket, delta  # the brute force agrees with MECHANISMS.md
+        assert deberta_bucket(delta) == bucket, delta  # the brute force agrees with docs/mechanisms.md
         # δ = i − j; the bucket is odd in δ, then offset by 256 and clamped to the 512 rows
         assert rows_of(m, [delta, -delta]) == [min(bucket + 256, 511), max(256 - bucket, 0)], delta
     assert rows_of(m, [505, 506, 511, 512]) == [510, 511, 511, 511]

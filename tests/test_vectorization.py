@@ -3,7 +3,7 @@ compilation itself at edge lengths.
 
 The projection's stores (the forward's, where it writes Z̃^Q itself) and the reductions' dZ̃ loads stream whole
 rows: they must stay 16-byte vector accesses (the table reduction's where every window starts on a multiple of 16
-columns). A 2-byte scalar access there cost 6× on the H200 (benchmarks/results/h200/NOTES.md)."""
+columns). A 2-byte scalar access there cost 6× on the H200 (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def test_streaming_kernels_use_vector_accesses(spec, seq_len):
         assert count(launch, "st.v4.b32") * 16 >= shares and count(launch, "st.b16") <= 4, (launch, tiles)
     for launch in ops["_reduce_tokens_kernel"] + ops["_reduce_table_kernel"]:  # windows start at 0 here: aligned
         assert count(launch, "ld.b16") == 0, launch
-    # the streaming kernels hold one tile at a time: no spills (the attention passes are another matter, NOTES.md)
+    # the streaming kernels hold one tile at a time: no spills (the attention passes are another matter:
+    # docs/performance.md)
     for name in streaming:
         for usage in ops[f"{name} usage"]:
             regs, spilled = (int(x) for x in usage.split())
@@ -104,7 +105,7 @@ def _ints(pattern: str, text: str) -> tuple[int, ...]:
 @pytest.mark.parametrize("spec", ["txl.yaml", "deberta_v3.yaml"])
 def test_one_query_and_one_key_compile(spec):
     """Triton compiles an integer argument equal to 1 as that constant: with Nq = Nk = 1 so compiled, ptxas crashed
-    (SIGSEGV) on TXL's query pass with the H200 table's 64x64 8-warp tiles (the GPU suite, seventh session).
+    (SIGSEGV) on TXL's query pass with the H200 table's 64x64 8-warp tiles (the GPU suite on the H200).
     compile_check specialises as the launcher does, on the tiles the table gives that length."""
     report = compile_check(spec, 1, "--config-for", "1")
     kernels = re.findall(r"^ok\s+(\w+)", report, re.MULTILINE)

@@ -6,7 +6,7 @@ Every system is a function ``fn(q, k, v, aq, ak, bias) -> O`` (absent tables are
 
 with the spec's row map φ, so one set of inputs serves them all and relgen's tables load into each unchanged.
 
-Peers build the dense relative bias exactly as the models' own attention modules do (../shared/MECHANISMS.md):
+Peers build the dense relative bias exactly as the models' own attention modules do (docs/mechanisms.md):
 
 * query term (Shaw ``relative_key``, DeBERTa c2p): project the queries onto the whole table, q @ Aᵀ (B, H, N, R),
   then gather the row of every pair along the last dimension;
