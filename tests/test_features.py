@@ -100,7 +100,8 @@ def test_dropout_draws_four_independent_keys_per_call():
     bits agree as often as independent draws would, and each of the four positions keeps 1 − p of its scores."""
     p = 0.5
     keep = dropout_keep_mask((1, 2, 64, 256), p, 12345, device=DEVICE).reshape(-1, 4).float()  # 8192 groups
-    assert torch.allclose(keep.mean(0), torch.full((4,), 1 - p, device=keep.device), atol=0.03)  # ~5 standard deviations
+    expected = torch.full((4,), 1 - p, device=keep.device)
+    assert torch.allclose(keep.mean(0), expected, atol=0.03)  # ~5 standard deviations
     agree = ((keep.sum(1) == 0) | (keep.sum(1) == 4)).float().mean().item()
     assert abs(agree - (p**4 + (1 - p) ** 4)) < 0.025, agree  # 0.125 if independent (~7 s.d.), 1 if one word
 
