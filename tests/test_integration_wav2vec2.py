@@ -223,12 +223,12 @@ def test_seamless_chunk_attention_falls_back():
 
 
 def test_unsupported_head_dim():
-    """hidden 48 over 2 heads: head dim 24. strict=True raises naming the option; otherwise the module stays on its
-    own code, named in one warning."""
-    with pytest.raises(ValueError, match=r"encoder\.layers\.0\.self_attn \(Wav2Vec2BertSelfAttention\).*head_dim=24"):
-        relgen.integrations.patch(bert("relative_key", hidden_size=48), strict=True)
-    model = bert("relative_key", hidden_size=48)
-    with pytest.warns(UserWarning, match=r"left on the model's own code: encoder\.layers\.0\.self_attn \(head_dim=24"):
+    """hidden 40 over 2 heads: head dim 20, not a multiple of 8. strict=True raises naming the option; otherwise the
+    module stays on its own code, named in one warning."""
+    with pytest.raises(ValueError, match=r"encoder\.layers\.0\.self_attn \(Wav2Vec2BertSelfAttention\).*head_dim=20"):
+        relgen.integrations.patch(bert("relative_key", hidden_size=40), strict=True)
+    model = bert("relative_key", hidden_size=40)
+    with pytest.warns(UserWarning, match=r"left on the model's own code: encoder\.layers\.0\.self_attn \(head_dim=20"):
         assert relgen.integrations.patch(model) == []
     assert not _core.is_patched(model.encoder.layers[0].self_attn)
 

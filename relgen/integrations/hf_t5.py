@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from relgen.integrations._core import Adapter, Unsupported, fall_back, register, run_original, warn_once
+from relgen.integrations._hf import wants_attentions
 
 FAMILY = "t5"
 #: the name under which the attention and mask functions are registered with transformers
@@ -299,7 +300,7 @@ def _unserved(
 ) -> str | None:
     """The feature of this call that keeps it on the model's own code, or None. Each depends only on the stack's
     call, so every layer of a stack takes the same road (a layer's position_bias comes from block 0's)."""
-    if _wants_attentions(kwargs):
+    if wants_attentions(kwargs):
         return "output_attentions"
     for name in _HEAD_MASKS:
         if kwargs.get(name) is not None:
@@ -338,25 +339,6 @@ def _unserved(
     elif not (isinstance(position_bias, _Relation) and position_bias.table is not None):
         return "a position_bias from a block 0 on the model's own code"
     return None
-
-
-def _wants_attentions(kwargs: dict[str, Any]) -> bool:
-    """True when this call must return attention weights: asked by keyword, or recorded by the model's output
-    hooks (config.output_attentions reaches the layers only through the hooks' collector)."""
-    if kwargs.get("output_attentions"):
-        return True
-    collector = _output_collector()
-    collected = collector.get() if collector is not None else None
-    return bool(collected) and any(key.endswith("attentions") for key in collected)
-
-
-@functools.cache
-def _output_collector() -> Any:
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output hooks passes output_attentions as a keyword
-        return None
-    return _active_collector
 
 
 def _attention(

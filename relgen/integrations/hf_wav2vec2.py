@@ -35,7 +35,6 @@ runs inside the kernels (relgen's own random stream).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch
 from torch import nn
 
 from relgen.integrations._core import Adapter, Unsupported, fall_back, register
+from relgen.integrations._hf import wants_attentions
 from relgen.runtime import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Mechanism, compile_mechanism
 
 _TXL_UV = {
@@ -108,7 +108,7 @@ def _forward(
             kwargs["relative_position_embeddings"] = relative_position_embeddings
         return fall_back(module, feature, hidden_states, attention_mask=attention_mask, **kwargs)
 
-    if _wants_attentions(kwargs):
+    if wants_attentions(kwargs):
         return own_code("output_attentions")
     if hidden_states.dtype not in SUPPORTED_DTYPES:
         return own_code(f"{hidden_states.dtype} inputs")
@@ -192,27 +192,6 @@ def _key_padding(
     if not bool(key_padding_mask.any(dim=1).all()):
         return None, "a sequence with every frame padded"
     return key_padding_mask.contiguous(), None
-
-
-def _wants_attentions(kwargs: dict[str, Any]) -> bool:
-    """True when this call must return attention weights: asked by keyword, or recorded by the model's output
-    hooks (config.output_attentions reaches the layers only through the hooks' collector)."""
-    if kwargs.get("output_attentions"):
-        return True
-    collector = _output_collector()
-    if collector is None:
-        return False
-    collected = collector.get()
-    return bool(collected) and "attentions" in collected
-
-
-@functools.cache
-def _output_collector() -> Any:
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output hooks passes output_attentions as a keyword
-        return None
-    return _active_collector
 
 
 _FAMILIES = (
