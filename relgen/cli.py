@@ -64,6 +64,18 @@ class _Parser(argparse.ArgumentParser):
         raise CommandError(f"{message} (usage: {usage})")
 
 
+def _bucket_lengths(parser: argparse.ArgumentParser) -> None:
+    """--seq-lens of the commands that default to every tuning bucket (tune, warmup)."""
+    parser.add_argument(
+        "--seq-lens",
+        type=_seq_len,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="sequence lengths (default: every bucket)",
+    )
+
+
 def _seq_len(text: str) -> int:
     """An argparse type: a sequence length in [1, MAX_SEQ_LEN]."""
     try:
@@ -164,14 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default=None, metavar="PATH", help="table to write (default relgen/tuning_tables/smXY.json)"
     )
-    p.add_argument(
-        "--seq-lens",
-        type=_seq_len,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="sequence lengths (default: every bucket)",
-    )
+    _bucket_lengths(p)
     p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
     p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
     p.add_argument(
@@ -184,14 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
     p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
-    p.add_argument(
-        "--seq-lens",
-        type=_seq_len,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="sequence lengths (default: every bucket)",
-    )
+    _bucket_lengths(p)
     p.set_defaults(handler=_hook("warmup"))
 
     # listed for --help only: main() hands `bench ...` to relgen.bench.cli before argparse sees it
