@@ -44,7 +44,7 @@ def record(
     from triton.runtime import interpreter
 
     import relgen
-    from relgen import runtime, tuning
+    from relgen.tiles import configs, select, tuning
 
     launches: list[dict] = []
     original = interpreter.InterpretedFunction.run
@@ -97,7 +97,7 @@ def record(
     cfg = tuning.table_config(str(arch), tuning.plan_family(plan), torch_dtype, head_dim, config_for)
     if cfg is None:
         os.environ["TRITON_INTERPRET"] = "0"
-        cfg = runtime.default_config(torch_dtype, head_dim, config_for, terms, tuning.in_tile(plan))
+        cfg = configs.default_config(torch_dtype, head_dim, config_for, terms, tuning.in_tile(plan))
         os.environ["TRITON_INTERPRET"] = "1"
     for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
         (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])
@@ -122,7 +122,7 @@ def record(
     options = {"layout": layout}
     if dropout_seed is not None:  # the dropout kernels, with the seed as an int or read from a tensor
         options |= {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
-    with runtime.override_config(cfg):
+    with select.override_config(cfg):
         out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation, **options)
         out.sum().backward()
     seen, unique = set(), []
@@ -193,7 +193,7 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
-        fn = getattr(fn, "kernel", fn)  # the JITFunction under a relgen.launch.Launcher
+        fn = getattr(fn, "kernel", fn)  # the JITFunction under a relgen.runtime.launch.Launcher
         names = [p.name for p in fn.params]
         attrs = {(names.index(name),): CUDABackend.parse_attr(key) for name, key in launch["attrs"].items()}
         src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
@@ -237,7 +237,9 @@ def main() -> int:
         "--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="change the tiles, e.g. backward.num_warps=8"
     )
     parser.add_argument("--memory-ops", action="store_true", help="count global loads/stores by width in the PTX")
-    parser.add_argument("--ablation", default=None, help="compile a Table 7 variant (relgen.runtime.ABLATIONS)")
+    parser.add_argument(
+        "--ablation", default=None, help="compile a Table 7 variant (relgen.runtime.mechanism.ABLATIONS)"
+    )
     parser.add_argument(
         "--dropout-seed", choices=["int", "tensor"], default=None, help="compile the dropout kernels, seed as given"
     )

@@ -1,5 +1,5 @@
-"""relgen called eagerly against the same call inside torch.compile (its custom ops, relgen.custom_ops), with and
-without CUDA graphs, on the benchmark's problem (16K tokens, H = 12, d = 64, fp16).
+"""relgen called eagerly against the same call inside torch.compile (its custom ops, relgen.runtime.custom_ops), with
+and without CUDA graphs, on the benchmark's problem (16K tokens, H = 12, d = 64, fp16).
 
 At N ≤ 1K an eager call is host-bound on the H200 (docs/performance.md, host time: the host takes as long as the
 kernels); under torch.compile(mode="reduce-overhead") the calls are captured once into a CUDA graph and replayed

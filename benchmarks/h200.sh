@@ -29,7 +29,7 @@
 #                                                                for bench)
 #
 # verify writes OUT/gpu_tests.log and gpu_figures.jsonl; tune writes OUT/tune.log, sm90.json (also left in
-# relgen/tuning_tables/) and profile.json; bench writes OUT/attention.json, bench.log and (with WARM_S) warm.log
+# relgen/tiles/tuning_tables/) and profile.json; bench writes OUT/attention.json, bench.log and (with WARM_S) warm.log
 # only (a job brings back at most 8 files: two bench shares with plots lost one share's results once; render
 # the report here with `python -m relgen.bench --report-only`). Every phase also writes OUT/gpu.txt.
 set -u
@@ -83,7 +83,7 @@ elif [ "$phase" = tune ]; then
         --seq-lens $lengths --budget-s "${TUNE_S:-130}" \
         > "$out/tune.log" 2>&1
     echo "tune exit $?" >> "$out/tune.log"
-    cp relgen/tuning_tables/sm90.json "$out/sm90.json" 2>/dev/null
+    cp relgen/tiles/tuning_tables/sm90.json "$out/sm90.json" 2>/dev/null
     timeout 80 python3 benchmarks/profile_kernels.py --seq-lens 1024,8192 --host-profile \
         --json "$out/profile.json" > "$out/profile.log" 2>&1
     tail -3 "$out/tune.log"

@@ -23,9 +23,9 @@ import torch
 import triton.testing
 
 import relgen
-import relgen.descriptors
+import relgen.runtime.descriptors
 from relgen.bench.worker import host_ms, queued_calls
-from relgen.launch import Launcher
+from relgen.runtime.launch import Launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import inputs, kernel_times, profile_calls
@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.triton_launch:
         Launcher.launch = lambda self, grid, a, kw: self.kernel[grid](*a, **kw)
-    relgen.descriptors.enabled = not args.no_descriptors
+    relgen.runtime.descriptors.enabled = not args.no_descriptors
 
     n = args.seq_len
     fn, qkv, tables = inputs(args.spec, n)  # the benchmark's problem: 16K tokens, 12 heads, d = 64, fp16 tables

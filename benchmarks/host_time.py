@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import relgen
-from relgen.verify import make_inputs
+from relgen.check.verify import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,9 @@ import torch
 import triton
 
 import relgen
-from relgen.config import AttnTiles, default_config, override_config
-from relgen.verify import make_inputs
+from relgen.check.verify import make_inputs
+from relgen.tiles.configs import AttnTiles, default_config
+from relgen.tiles.select import override_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS, HEADS, HEAD_DIM = 16384, 12, 64

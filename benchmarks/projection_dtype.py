@@ -25,7 +25,7 @@ import torch
 
 import relgen
 from relgen import config
-from relgen.verify import make_inputs
+from relgen.check.verify import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

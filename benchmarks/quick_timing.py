@@ -4,9 +4,9 @@ python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deber
     [--descriptors]
 
 A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --check adds "exact": the same
-kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.verify); with
---descriptors, the check's calls take the tensor-descriptor paths whatever their size (relgen.descriptors.forced),
-as the timed calls of 16K tokens at N ≥ 2K do.
+kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.check.verify);
+with --descriptors, the check's calls take the tensor-descriptor paths whatever their size
+(relgen.runtime.descriptors.forced), as the timed calls of 16K tokens at N ≥ 2K do.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import triton
 
 import relgen
-from relgen import descriptors
-from relgen.verify import check_spec, make_inputs
+from relgen.check.verify import check_spec, make_inputs
+from relgen.runtime import descriptors
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from relgen import runtime as _rt
-from relgen.dropout import dropout_keep, seed_value
+from relgen.runtime import surface as _rt
+from relgen.runtime.dropout import dropout_keep, seed_value
 
 SPEC_NAME = "txl"
 SPEC_HASH = "07c118e527fec8a5"
@@ -56,7 +56,7 @@ _BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
 # except when one is 1: compiled as that constant, the query pass of a 64x64 8-warp tile crashes ptxas (CUDA 12.8,
 # sm_90a: SIGSEGV), so calls with a length of 1 launch twins that take every length at run time
 _LENGTHS = ["Nq_all", "Nk_all"]
-# every kernel is launched through relgen.launch.Launcher: a launch like one made before skips Triton's per-call
+# every kernel is launched through relgen.runtime.launch.Launcher: a launch like one made before skips Triton's per-call
 # specialisation of its ~40 arguments (host time that dominates a call at N ≤ 1K)
 
 
@@ -169,7 +169,7 @@ def _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M: tl.constexp
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the d axis: tiles are BLOCK_D wide, the power of two ≥ d (relgen.config.head_block). A padded head dim masks
+# the d axis: tiles are BLOCK_D wide, the power of two ≥ d (relgen.tiles.configs.head_block). A padded head dim masks
 # its loads and stores along d and reads 0 in the padded columns, which then add nothing to the products along d;
 # with d = BLOCK_D these helpers return or load exactly what the kernels did before padding existed
 # ------------------------------------------------------------------------------------------------------------
@@ -2471,7 +2471,7 @@ def _backward_pass(do, call, o, lse2, projections, expanded=None):
 
 
 def _kept_buffers(geo, device):
-    """The buffers _forward_pass keeps, unwritten: their shapes for the compiler (relgen.custom_ops)."""
+    """The buffers _forward_pass keeps, unwritten: their shapes for the compiler (relgen.runtime.custom_ops)."""
     zq = zk = zqe = zke = None
     zq, zqe = _projection_buffers(geo, True, device)
     return zq, zk, zqe, zke
@@ -2526,9 +2526,9 @@ def attention(
     return_lse=False,
     _ablation=None,
 ):
-    """txl: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.prepare_call."""
+    """txl: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.mechanism.prepare_call."""
     dropout_seed = _rt.seed_snapshot(dropout_seed)
-    if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.custom_ops)
+    if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.runtime.custom_ops)
         if _ablation is not None:
             raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")
         o, lse2 = _compiled(

@@ -2,6 +2,6 @@
 
 import sys
 
-from relgen.cli import main
+from relgen.cli.main import main
 
 sys.exit(main())

@@ -29,7 +29,7 @@ import itertools
 import numpy as np
 import torch
 
-from relgen.spec import MechanismSpec, load_spec
+from relgen.spec.model import MechanismSpec, load_spec
 
 __all__ = ["LAYOUTS", "attention", "relation_rows"]
 

@@ -173,9 +173,9 @@ def dropout_keep_mask(
     shape: tuple[int, int, int, int], p: float, seed: int | torch.Tensor, device="cpu"
 ) -> torch.Tensor:
     """The bool keep mask [B, H, Nq, Nk] (True = kept) that a call with `dropout_p=p, dropout_seed=seed` draws
-    inside the kernels: the same counter-based stream (relgen.dropout), regenerated, never stored. A tensor seed
+    inside the kernels: the same counter-based stream (relgen.runtime.dropout), regenerated, never stored. A tensor seed
     is read once on the host."""
-    from relgen.dropout import keep_mask
+    from relgen.runtime.dropout import keep_mask
 
     if len(shape) != 4:
         raise ValueError(f"shape: expected (B, H, Nq, Nk), got {shape!r}")

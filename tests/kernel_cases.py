@@ -1,12 +1,12 @@
 """Shared helpers of the kernel tests: random inputs for a spec and a run against the FP64 reference (re-exported
-from relgen.verify, the one implementation that `relgen check` uses too), and random specs of every map kind."""
+from relgen.check.verify, the one implementation that `relgen check` uses too), and random specs of every map kind."""
 
 from __future__ import annotations
 
 from hypothesis import strategies as st
 
 import relgen
-from relgen.verify import Inputs, assert_all_close, compare, make_inputs
+from relgen.check.verify import Inputs, assert_all_close, compare, make_inputs
 
 __all__ = ["MAP_KINDS", "SPECS", "Inputs", "assert_all_close", "compare", "make_inputs", "random_specs"]
 

@@ -2,7 +2,7 @@
 
 Brute force walks the window δ ∈ [−(N−1), N−1] with the map's `row_ids` (the single definition of φ) and
 rebuilds rows, intervals, saturation bounds, the copy map and the reachable windows of docs/algorithm.md
-without looking at how relgen.analyze computes them.
+without looking at how relgen.plan.analyze computes them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from relgen.analyze import GROUP_SIZE, analyze, canonical_length
-from relgen.maps import T5Map
-from relgen.spec import load_spec
+from relgen.plan.analyze import GROUP_SIZE, analyze, canonical_length
+from relgen.spec.maps import T5Map
+from relgen.spec.model import load_spec
 
 OFFSETS = st.sampled_from(["query_minus_key", "key_minus_query"])
 

@@ -314,7 +314,7 @@ def test_worker_records_unsupported_and_errors(monkeypatch):
             ]
         )
     )
-    if not hasattr(relgen.runtime, "ABLATIONS"):
+    if not hasattr(relgen.runtime.mechanism, "ABLATIONS"):
         assert records[0]["status"] == "unsupported" and "atomic_gradients" in records[0]["error"]
     assert records[1]["status"] in ("unsupported", "error") and records[1]["ms"] is None
     assert records[1]["exact"] is None
@@ -323,7 +323,7 @@ def test_worker_records_unsupported_and_errors(monkeypatch):
 def test_relgen_variant_hook():
     with pytest.raises(ValueError):
         peers.relgen_variant("no_such_component")
-    if not hasattr(relgen.runtime, "ABLATIONS"):
+    if not hasattr(relgen.runtime.mechanism, "ABLATIONS"):
         with pytest.raises(NotImplementedError, match="relgen_variant"):
             peers.relgen_variant("no_projections")
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kernel_cases import make_inputs
 
 import relgen
-from relgen import arguments
-from relgen.arguments import check_call, prepare_call
-from relgen.config import override_config
+from relgen.runtime import arguments
+from relgen.runtime.arguments import check_call, prepare_call
+from relgen.tiles.select import override_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

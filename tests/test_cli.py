@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relgen.cli import main
+from relgen.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
@@ -235,7 +235,7 @@ def test_usage_errors_and_help(capsys):
 
 @pytest.fixture
 def fake_modules(monkeypatch):
-    """Stand-ins for relgen.codegen, relgen.verify, relgen.tune and relgen.bench.cli that record their calls."""
+    """Stand-ins for relgen.cli.commands, relgen.cli.tune and relgen.bench.cli that record their calls."""
     calls: list[tuple[str, object]] = []
 
     def recorder(name):
@@ -245,18 +245,16 @@ def fake_modules(monkeypatch):
 
         return function
 
-    codegen = types.ModuleType("relgen.codegen")
-    codegen.cli_build = recorder("build")
-    verify = types.ModuleType("relgen.verify")
-    verify.cli_check = recorder("check")
-    tune = types.ModuleType("relgen.tune")
+    commands = types.ModuleType("relgen.cli.commands")
+    commands.cli_build = recorder("build")
+    commands.cli_check = recorder("check")
+    tune = types.ModuleType("relgen.cli.tune")
     tune.cli_tune = recorder("tune")
     tune.cli_warmup = recorder("warmup")
     bench = types.ModuleType("relgen.bench.cli")
     bench.main = recorder("bench")
-    monkeypatch.setitem(sys.modules, "relgen.codegen", codegen)
-    monkeypatch.setitem(sys.modules, "relgen.verify", verify)
-    monkeypatch.setitem(sys.modules, "relgen.tune", tune)
+    monkeypatch.setitem(sys.modules, "relgen.cli.commands", commands)
+    monkeypatch.setitem(sys.modules, "relgen.cli.tune", tune)
     monkeypatch.setitem(sys.modules, "relgen.bench.cli", bench)
     return calls
 
@@ -289,13 +287,13 @@ def test_hook_errors_are_one_line(capsys, monkeypatch, fake_modules):
     def failing(args):
         raise ValueError("q: head dim d must be one of (16, 32, 64, 128), got 48")
 
-    monkeypatch.setattr(sys.modules["relgen.tune"], "cli_warmup", failing)
+    monkeypatch.setattr(sys.modules["relgen.cli.tune"], "cli_warmup", failing)
     code, _, err = run(capsys, "warmup", SPECS[0], "--head-dim", "48")
     assert code == 2 and err == "relgen: error: q: head dim d must be one of (16, 32, 64, 128), got 48\n"
 
-    monkeypatch.delattr(sys.modules["relgen.tune"], "cli_tune")
+    monkeypatch.delattr(sys.modules["relgen.cli.tune"], "cli_tune")
     code, _, err = run(capsys, "tune", SPECS[0])
-    assert code == 2 and err == "relgen: error: 'relgen tune' is not available (relgen.tune.cli_tune is missing)\n"
+    assert code == 2 and err == "relgen: error: 'relgen tune' is not available (relgen.cli.tune.cli_tune is missing)\n"
 
 
 # -- the installed entry point ---------------------------------------------------------------------------------

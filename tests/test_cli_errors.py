@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from relgen import cli, codegen
-from relgen.analyze import analyze
-from relgen.cli import MAX_SEQ_LEN, main
-from relgen.spec import load_spec
+from relgen.cli import main as cli
+from relgen.cli.main import MAX_SEQ_LEN, main
+from relgen.codegen import generator as codegen
+from relgen.plan.analyze import analyze
+from relgen.spec.model import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 T5 = ROOT / "specs" / "t5.yaml"

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relgen import codegen
-from relgen.analyze import Plan, analyze
-from relgen.cli import main
-from relgen.spec import SpecError, load_spec
+from relgen.cli.main import main
+from relgen.codegen import generator as codegen
+from relgen.plan.analyze import Plan, analyze
+from relgen.spec.model import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "demo", "terms": ["bias"], "map": {"kind": "clipped", "min": -4, "max": 4}}
@@ -249,7 +249,7 @@ def test_the_scale_exploit_never_runs(tmp_path, capsys):
     exploit = f'1 #" if __import__("os").system("touch {marker}") else "1'
     spec_path = tmp_path / "evil.yaml"
     spec_path.write_text("name: evil\nterms: [bias]\nmap: {kind: clipped, min: -4, max: 4}\n" + f"scale: '{exploit}'\n")
-    from relgen import runtime
+    from relgen.runtime import mechanism as runtime
 
     # a plan that carries it (however it was made) renders to a module that does not run it
     plan = replace(analyze(load_spec(BASE)), scale=exploit)

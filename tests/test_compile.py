@@ -1,4 +1,4 @@
-"""relgen inside torch.compile: calls become two custom ops (relgen.custom_ops) that run the same kernels as an
+"""relgen inside torch.compile: calls become two custom ops (relgen.runtime.custom_ops) that run the same kernels as an
 eager call, so a compiled call must give the same bits, output and every gradient, with no graph break."""
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
 
 def test_a_map_planned_for_a_wider_window_loads_while_tracing():
     """A map whose saturation the analyzer cannot prove (delta - delta) is planned for the analysed window; a longer
-    call loads the module planned for a wider one (relgen.runtime._load_wider), which under fullgraph compilation
-    happens at trace time."""
+    call loads the module planned for a wider one (relgen.runtime.mechanism._load_wider), which under fullgraph
+    compilation happens at trace time."""
     spec = relgen.load_spec(
         {
             "name": "sqrt_buckets",

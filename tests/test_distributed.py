@@ -94,7 +94,7 @@ def _spec(case: Case):
 def _gathered(case: Case):
     """The case's inputs over the gathered sequence, the same in every process: (spec, inputs, dO, key padding
     mask or None, options)."""
-    from relgen.verify import make_inputs
+    from relgen.check.verify import make_inputs
 
     spec = _spec(case)
     q_offset, k_offset = case.offsets
@@ -233,7 +233,7 @@ def test_sharded_call_equals_the_gathered_call(world: int, case: Case, tmp_path_
 # in this process: a ring of one (no process group), the bookkeeping, the merge, the errors
 # ------------------------------------------------------------------------------------------------------------
 def _leaves(spec, nq, nk, length, seed=3):
-    from relgen.verify import make_inputs
+    from relgen.check.verify import make_inputs
 
     inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=D, seed=seed, length=length)
     return inputs, [inputs.q, inputs.k, inputs.v, *inputs.tables.values()]
@@ -442,7 +442,7 @@ def test_gpu_ring_of_one_over_nccl(name, sharding, dtype, nccl_ring_of_one):
     bit for bit."""
     import relgen
     import relgen.distributed as rd
-    from relgen.verify import make_inputs
+    from relgen.check.verify import make_inputs
 
     spec = _spec(Case(name, name, sharding))
     fn = relgen.compile_mechanism(spec)
@@ -464,7 +464,7 @@ def _gpu_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
     import relgen
     import relgen.distributed as rd
-    from relgen.verify import make_inputs
+    from relgen.check.verify import make_inputs
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)

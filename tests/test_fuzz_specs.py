@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relgen.analyze import analyze
-from relgen.expr import compile_expression
-from relgen.spec import load_spec
+from relgen.plan.analyze import analyze
+from relgen.spec.expr import compile_expression
+from relgen.spec.model import load_spec
 
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 VALID_YAML = "name: demo\nterms: [query, bias]\nmap: {kind: clipped, min: -4, max: 4}\nscale: 1/sqrt(d)\n"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kernel_cases import make_inputs
 
 import relgen
-from relgen.arguments import prepare_call
+from relgen.runtime.arguments import prepare_call
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def test_expanded_tables_hold_the_row_of_every_offset(name, n):
 
 @given(width=st.integers(1, 20000))
 def test_row_stride_is_the_smallest_aligned_width(width):
-    from relgen.geometry import ROW_ALIGN, Geometry
+    from relgen.runtime.geometry import ROW_ALIGN, Geometry
 
     stride = Geometry.row_stride(width)
     assert stride % ROW_ALIGN == 0 and width <= stride < width + ROW_ALIGN
@@ -119,10 +119,10 @@ def test_gradient_buffer_precision_follows_the_inputs(storage, dtype, stored, pr
 
 def test_device_constants_are_made_on_a_thread_of_their_own():
     """A CUDA graph's warm-up sends the calling thread's allocations to the graph's pool: a kept constant is made
-    on another thread (relgen.geometry._outside_graph_pools), and its errors still reach the caller."""
+    on another thread (relgen.runtime.geometry._outside_graph_pools), and its errors still reach the caller."""
     import threading
 
-    from relgen.geometry import _outside_graph_pools
+    from relgen.runtime.geometry import _outside_graph_pools
 
     caller = threading.current_thread()
     made_on = []

@@ -16,8 +16,8 @@ from kernel_cases import MAP_KINDS, SPECS, assert_all_close, compare, make_input
 
 import relgen
 from relgen import config, reference
+from relgen.check.verify import gradient_runs
 from relgen.testing import check_close, dropout_keep_mask
-from relgen.verify import gradient_runs
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def compare_large(spec, inputs, dtype, keep_mask=None, **options):
     ref_options = {k: v for k, v in options.items() if k != "dropout_seed"}
     ref = decomposed_reference(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, keep_mask=keep_mask, **ref_options)
     results = [("out", *check_close(out, ref, dtype))]
-    # a fixed dO, as relgen.verify.compare draws it: the outcome must not depend on which tests ran before
+    # a fixed dO, as relgen.check.verify.compare draws it: the outcome must not depend on which tests ran before
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
     names, leaves = zip(*inputs.leaves.items(), strict=True)
     got = torch.autograd.grad(out, leaves, do)
@@ -168,9 +168,9 @@ def test_every_backward_candidate_is_exact(name, n):
     """Each tile shape the tuner may pick for the two backward passes, against the FP64 reference (the tuner only
     compares candidates with each other). Key-pass tiles 32x128 with 8 warps gave a wrong dK on the H200 for T5 at
     N ≥ 384 and for Shaw/TXL at 128 while the key pass was query-major, never on the CPU's interpreter."""
-    from relgen import tune
-    from relgen.config import AttnTiles, override_config
-    from relgen.runtime import default_config
+    from relgen.cli import tune
+    from relgen.tiles.configs import AttnTiles, default_config
+    from relgen.tiles.select import override_config
 
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=64, dtype=torch.float16, device="cuda", seed=5)
@@ -219,7 +219,7 @@ class _CountingKernel:
 
 def _counting_launches(monkeypatch, module):
     """Every Launcher of `module` emptied and counting its launches through Triton's path (the counters)."""
-    from relgen.launch import Launcher
+    from relgen.runtime.launch import Launcher
 
     counters = []
     for launcher in [x for x in vars(module).values() if isinstance(x, Launcher)]:
@@ -232,7 +232,7 @@ def _counting_launches(monkeypatch, module):
 @needs_cuda
 @pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
 def test_repeat_calls_launch_the_kept_kernels(monkeypatch, name):
-    """relgen.launch.Launcher on the GPU: a repeated call launches every kernel through the compiled kernel kept
+    """relgen.runtime.launch.Launcher on the GPU: a repeated call launches every kernel through the compiled kernel kept
     from the first call, not through Triton's path, and its output and gradients are bitwise those of the first."""
     spec = spec_of(name)
     fn = relgen.compile_mechanism(spec)
@@ -288,7 +288,7 @@ def _report(kind, figures):
 def _expected_forward_bytes(spec, b, h, n, d):
     """What the plan says the forward stores: O, LSE and the projections over each group's window, in the
     projection storage calls use now (relgen.config: fp32 by default, 2 bytes an entry under fp16)."""
-    plan = relgen.analyze(spec, n)
+    plan = relgen.plan.analyze(spec, n)
     tables = int(spec.has_query) + int(spec.has_key)
     entry = 2 if config.projection_storage() == "fp16" else 4
     return b * h * n * (d * 2 + 4 + tables * plan.query_window * entry)
@@ -342,7 +342,7 @@ def test_no_dense_bias_is_allocated(name):
 def test_window_rows_counted_by_plan():
     """The analyzer's window width is what the kernels allocate (reachable ranges, not 2N−1 columns)."""
     spec = spec_of("txl")
-    plan = relgen.analyze(spec, 8192)
+    plan = relgen.plan.analyze(spec, 8192)
     assert plan.query_window == 8192 + plan.group_size - 1
     assert np.isclose(plan.query_window / plan.rows, 0.51, atol=0.01)
 

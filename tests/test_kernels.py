@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_specs
 
 import relgen
-from relgen import codegen
-from relgen.arguments import prepare_call
-from relgen.config import INTERPRETER_CONFIG, AttnTiles, override_config
+from relgen.check.verify import gradient_runs
+from relgen.codegen import generator as codegen
+from relgen.runtime.arguments import prepare_call
 from relgen.testing import dropout_keep_mask
-from relgen.verify import gradient_runs
+from relgen.tiles.configs import INTERPRETER_CONFIG, AttnTiles
+from relgen.tiles.select import override_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,7 +90,7 @@ def test_key_pass_orientations_are_exact(name, key_major):
 def test_interior_band_tiles_with_the_gpus_tiles(name):
     """Interior band tiles (INNER: no predicates) with the H200 table's tiles, which the interpreter's defaults do not
     use: a partial last query tile, Nq ≠ Nk, and key-pass query tiles of 32 rows against 64 keys."""
-    from relgen import tuning
+    from relgen.tiles import tuning
 
     spec = relgen.load_spec(spec_path(name))
     family = tuning.plan_family(relgen.compile_mechanism(spec).module.PLAN)
@@ -111,7 +112,7 @@ def test_saturated_tiles_through_descriptors_and_pointers(terms, descriptors):
     """The forward's saturated tiles load K and V through tensor descriptors where the call allows it, else through
     pointers: both exact, at a length with saturated tiles on both sides of the band (far below MIN_PAIRS: the
     descriptors are forced, as `relgen warmup` forces them)."""
-    from relgen import descriptors as kv
+    from relgen.runtime import descriptors as kv
 
     spec = relgen.load_spec({"name": "clip", "terms": terms, "map": {"kind": "clipped", "min": -5, "max": 7}})
     inputs = make_inputs(spec, b=2, h=2, nq=80, d=16, device=DEVICE, seed=5)
@@ -124,7 +125,7 @@ def test_saturated_tiles_through_descriptors_and_pointers(terms, descriptors):
 
 
 def test_descriptors_only_for_layouts_tma_reads_and_calls_they_pay_for():
-    from relgen.descriptors import MIN_PAIRS, kv_descriptors
+    from relgen.runtime.descriptors import MIN_PAIRS, kv_descriptors
 
     def made(t, varlen=False, pairs=MIN_PAIRS):
         return kv_descriptors(t, t, 16, varlen=varlen, pairs=pairs) != (None, None)
@@ -174,7 +175,7 @@ def test_atomic_fallback_plan_and_result():
             "map": {"kind": "expression", "expr": "Min(Abs(delta), 16)", "rows": 17},
         }
     )
-    assert relgen.analyze(spec, 64).path == "atomic"
+    assert relgen.plan.analyze(spec, 64).path == "atomic"
     inputs = make_inputs(spec, b=2, h=2, nq=50, d=16, device=DEVICE)
     assert_all_close(compare(spec, inputs), "min(|δ|, 16)")
 
@@ -210,11 +211,11 @@ def test_unsaturated_expression_map_is_replanned_for_longer_sequences():
 def test_generated_module_is_up_to_date(name):
     built = ROOT / "generated" / f"{name}.py"
     assert built.exists(), f"generated/{name}.py is missing: run `relgen build specs/*.yaml`"
-    expected = codegen.format_source(codegen.render(relgen.analyze(relgen.load_spec(spec_path(name)))))
+    expected = codegen.format_source(codegen.render(relgen.plan.analyze(relgen.load_spec(spec_path(name)))))
     assert built.read_text() == expected, f"generated/{name}.py drifted from specs/ and templates/: rebuild it"
 
 
-@pytest.mark.parametrize("ablation", relgen.runtime.ABLATIONS)
+@pytest.mark.parametrize("ablation", relgen.runtime.mechanism.ABLATIONS)
 @pytest.mark.parametrize("name", ["deberta_v3", "t5"])
 def test_ablation_switches_stay_exact(name, ablation):
     """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""

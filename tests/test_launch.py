@@ -1,4 +1,4 @@
-"""relgen.launch.Launcher: a launch reuses the compiled kernel only where Triton would pick the same one.
+"""relgen.runtime.launch.Launcher: a launch reuses the compiled kernel only where Triton would pick the same one.
 
 The fingerprint is checked against Triton's own specialisation (`native_specialize_impl`, which needs no GPU): two
 arguments with the same fingerprint must specialise alike. The launcher's bookkeeping is checked with a stand-in
@@ -16,8 +16,8 @@ import torch
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
-from relgen import launch
-from relgen.launch import Launcher, _fingerprint, _width
+from relgen.runtime import launch
+from relgen.runtime.launch import Launcher, _fingerprint, _width
 
 
 def triton_specialisation(arg):

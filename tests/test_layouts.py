@@ -10,9 +10,10 @@ from kernel_cases import Inputs, assert_all_close, compare, make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import relgen
-from relgen import descriptors, reference
+from relgen import reference
+from relgen.check.verify import gradient_runs
+from relgen.runtime import descriptors
 from relgen.testing import check_close, dropout_keep_mask
-from relgen.verify import gradient_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -228,17 +229,17 @@ def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
     """The resource heuristic's tiles (what a GPU runs without a tuned entry) keep the operand tiles a pipeline stage
     holds (K and V tiles per stage, plus the resident Q or K, V tile) inside the H200's 227 KB per block, for every
     supported head dim; d = 80 and 96 take d = 128's tiles (their padded width)."""
-    from relgen import config
-    from relgen.arguments import SUPPORTED_HEAD_DIMS
+    from relgen.runtime.arguments import SUPPORTED_HEAD_DIMS
+    from relgen.tiles import configs
 
-    monkeypatch.setattr(config, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         size = torch.finfo(dtype).bits // 8
         for d in SUPPORTED_HEAD_DIMS:
             for terms in (("query",), ("query", "key"), ("bias",)):
-                cfg = config.default_config(dtype, d, 8192, terms)
+                cfg = configs.default_config(dtype, d, 8192, terms)
                 cfg.check()
-                width = config.head_block(d) * size
+                width = configs.head_block(d) * size
                 fwd, bwd, kv = cfg.forward, cfg.backward, cfg.key_pass
                 operands = {
                     "forward": fwd.block_m * width + fwd.num_stages * 2 * fwd.block_n * width,
@@ -249,7 +250,7 @@ def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
                 over = {name: b for name, b in operands.items() if b > 227 * 1024}
                 assert not over, (dtype, d, terms, over)
         for d in (80, 96):
-            assert config.default_config(dtype, d, 8192) == config.default_config(dtype, 128, 8192)
+            assert configs.default_config(dtype, d, 8192) == configs.default_config(dtype, 128, 8192)
 
 
 # -- grouped-query attention: k and v with H_kv heads, query head h reading key/value head h // (H / H_kv) ----------

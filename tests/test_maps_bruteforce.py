@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relgen.maps import BoundariesMap, ClippedMap, IdentityMap, LogMap, T5Map
+from relgen.spec.maps import BoundariesMap, ClippedMap, IdentityMap, LogMap, T5Map
 
 
 def rows(m, deltas, length=1):

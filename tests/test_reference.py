@@ -2,7 +2,7 @@
 
 The textbook side computes φ with the models' own formulas (docs/mechanisms.md, paper §3.2) in plain Python,
 and S_ij, the softmax and O with explicit loops over i and j: it shares no code with relgen.reference or
-relgen.maps, so agreement checks both the reference's tensor algebra and the maps' row ids.
+relgen.spec.maps, so agreement checks both the reference's tensor algebra and the maps' row ids.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relgen import reference
-from relgen.spec import load_spec
+from relgen.spec.model import load_spec
 
 # -- φ by the textbook formulas ------------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relgen.expr import ExpressionError, parse_expression
-from relgen.maps import BoundariesMap, ClippedMap, ExpressionMap, IdentityMap, LogMap, T5Map
-from relgen.spec import MechanismSpec, SpecError, load_spec
+from relgen.spec.expr import ExpressionError, parse_expression
+from relgen.spec.maps import BoundariesMap, ClippedMap, ExpressionMap, IdentityMap, LogMap, T5Map
+from relgen.spec.model import MechanismSpec, SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"

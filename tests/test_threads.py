@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import relgen
-from relgen import custom_ops, runtime
+from relgen.runtime import custom_ops
+from relgen.runtime import mechanism as runtime
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 THREADS = 8
@@ -33,7 +34,7 @@ def _inputs(index: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(*shape, generator=gen).to(DEVICE).requires_grad_() for name, shape in shapes.items()}
 
 
-def _run(index: int) -> tuple[relgen.runtime.Mechanism, list[torch.Tensor]]:
+def _run(index: int) -> tuple[relgen.runtime.mechanism.Mechanism, list[torch.Tensor]]:
     """Compile thread `index`'s spec, call it, and return the Mechanism, the output and every gradient."""
     fn = relgen.compile_mechanism(SPECS[index % len(SPECS)])
     leaves = _inputs(index)

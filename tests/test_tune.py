@@ -1,4 +1,4 @@
-"""relgen.tuning lookup tables and relgen.tune (`relgen tune`, `relgen warmup`), on the CPU.
+"""relgen.tiles.tuning lookup tables and relgen.cli.tune (`relgen tune`, `relgen warmup`), on the CPU.
 
 The timing itself needs a GPU; here the tuner runs in Triton's interpreter with a fake timer, which exercises
 everything else: the candidates, override_config, the sanity check, skipped candidates and the table file."""
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import relgen
-from relgen import tune, tuning
-from relgen.cli import main
-from relgen.runtime import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
+from relgen.cli import tune
+from relgen.cli.main import main
+from relgen.tiles import tuning
+from relgen.tiles.configs import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
 ROOT = Path(__file__).resolve().parents[1]
 T5 = ROOT / "specs" / "t5.yaml"
@@ -72,14 +73,14 @@ def test_kernel_family_separates_saturating_maps_from_growing_ones(name, family)
 def test_in_tile_variants_are_a_family_of_their_own(monkeypatch):
     """Ablation no_projections forms each band tile's products from Ã ([BM, BM + BN − 1] fp32 values): no tuned
     entry of the projected kernels applies, and the heuristic gives it 64-row forward tiles."""
-    from relgen import config
+    from relgen.tiles import configs
 
     mechanism = relgen.compile_mechanism(ROOT / "specs" / "shaw.yaml")
     variant = mechanism._ablated(mechanism.module, "no_projections", {})[0]
     assert tuning.plan_family(variant.PLAN) == "query@in_tile"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert config.default_config(torch.float16, 64, 8192, ("query",), in_tile=True).forward.block_m == 64
-    assert config.default_config(torch.float16, 64, 8192, ("query",)).forward.block_m == 128
+    assert configs.default_config(torch.float16, 64, 8192, ("query",), in_tile=True).forward.block_m == 64
+    assert configs.default_config(torch.float16, 64, 8192, ("query",)).forward.block_m == 128
 
 
 def test_the_committed_table_gives_shaw_and_txl_their_own_entries():
@@ -128,7 +129,7 @@ def test_key_pass_tiles_round_trip_through_the_table():
 
 
 def test_candidates_fit_the_group():
-    from relgen.runtime import default_config
+    from relgen.tiles.configs import default_config
 
     base = default_config(torch.float16, 64, 1024)
     if base.group != tune.GROUP:  # the interpreter's configuration: tune with the group of the GPUs
@@ -222,22 +223,22 @@ def test_needs_a_gpu(monkeypatch, capsys, tmp_path, command, words):
 def test_heuristic_halves_forward_rows_for_two_gathered_terms(monkeypatch):
     """query+key band tiles gather Z^Q and Z^K: the GPU heuristic gives them 64-row forward tiles (sm90.json's
     measurements), while one gathered term keeps 128 rows; the tiles still divide the group."""
-    from relgen import config
+    from relgen.tiles import configs
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    both = config.default_config(torch.float16, 64, 1024, ("query", "key"))
-    one = config.default_config(torch.float16, 64, 1024, ("query",))
+    both = configs.default_config(torch.float16, 64, 1024, ("query", "key"))
+    one = configs.default_config(torch.float16, 64, 1024, ("query",))
     assert (both.forward.block_m, one.forward.block_m) == (64, 128)
     assert both.backward == one.backward and both.project == one.project
     both.check()
 
 
 def test_selection_is_shared_by_a_bucket_and_yields_to_an_override():
-    from relgen import config
+    from relgen.tiles import select
 
     plan = relgen.compile_mechanism(ROOT / "specs" / "deberta_v3.yaml").module.PLAN
-    first = config.select_config(plan, torch.float16, 64, 600)
-    assert config.select_config(plan, torch.float16, 64, 700) is first  # one bucket (768), one selection
-    with config.override_config(CONFIG):
-        assert config.select_config(plan, torch.float16, 64, 600) is CONFIG
-    assert config.select_config(plan, torch.float16, 64, 600) is first
+    first = select.select_config(plan, torch.float16, 64, 600)
+    assert select.select_config(plan, torch.float16, 64, 700) is first  # one bucket (768), one selection
+    with select.override_config(CONFIG):
+        assert select.select_config(plan, torch.float16, 64, 600) is CONFIG
+    assert select.select_config(plan, torch.float16, 64, 600) is first

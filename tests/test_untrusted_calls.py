@@ -16,9 +16,10 @@ import torch
 from kernel_cases import assert_all_close, compare, make_inputs
 
 import relgen
-from relgen import config, reference
-from relgen.arguments import MAX_POSITION, SEED_LIMIT, prepare_call, reach
-from relgen.runtime import MAX_REPLANNED_WINDOW
+from relgen import backend, config, reference
+from relgen.runtime import storage as projection_storage
+from relgen.runtime.arguments import MAX_POSITION, SEED_LIMIT, prepare_call, reach
+from relgen.runtime.mechanism import MAX_REPLANNED_WINDOW
 from relgen.testing import check_close
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def call(name, b=2, h=2, n=8, **options):
 @pytest.fixture
 def storage(monkeypatch):
     """config.set_projection_storage for one test (the process's choice comes back after it)."""
-    monkeypatch.setattr(config, "_storage", [])
+    monkeypatch.setattr(projection_storage, "_storage", [])
     monkeypatch.delenv(config.PROJECTION_STORAGE_ENV, raising=False)
     return config.set_projection_storage
 
@@ -357,10 +358,10 @@ def test_bf16_is_refused_in_the_interpreter():
 )
 def test_the_interpreter_needs_numpy_below_2_4(version, refused):
     if not refused:
-        config.check_interpreter_numpy(version)
+        backend.check_interpreter_numpy(version)
         return
     with pytest.raises(RuntimeError, match=r"install numpy<2.4") as info:
-        config.check_interpreter_numpy(version)
+        backend.check_interpreter_numpy(version)
     assert "\n" not in str(info.value)
 
 
@@ -387,7 +388,7 @@ def test_the_python_api_sets_up_the_interpreter_itself(tmp_path):
 
 @pytest.mark.skipif(HAS_CUDA, reason="a machine without a CUDA device")
 def test_kernels_defined_before_the_set_up_fail_in_one_line(tmp_path):
-    done = _python("import relgen.dropout, relgen\nrelgen.compile_mechanism('specs/t5.yaml')\n", tmp_path)
+    done = _python("import relgen.runtime.dropout, relgen\nrelgen.compile_mechanism('specs/t5.yaml')\n", tmp_path)
     assert done.returncode != 0
     last = done.stderr.strip().split("\n")[-1]
     assert last.startswith("RuntimeError: relgen: no CUDA device") and "TRITON_INTERPRET=1" in last

@@ -1,5 +1,5 @@
 """Specs are untrusted input: every hostile spec is refused before any expensive work with a one-line SpecError or
-ValueError naming the field, never a traceback, a hang or a crash; every limit of relgen.limits holds."""
+ValueError naming the field, never a traceback, a hang or a crash; every limit of relgen.spec.limits holds."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relgen import limits
-from relgen.analyze import analyze, canonical_length
-from relgen.expr import ExpressionError, compile_expression, parse_expression
-from relgen.spec import MechanismSpec, SpecError, load_spec
+from relgen.plan.analyze import analyze, canonical_length
+from relgen.spec import limits
+from relgen.spec.expr import ExpressionError, compile_expression, parse_expression
+from relgen.spec.model import MechanismSpec, SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "demo", "terms": ["query"], "map": {"kind": "clipped", "min": -4, "max": 4}}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import relgen
-from relgen import codegen
+from relgen.codegen import generator as codegen
 
 ROOT = Path(__file__).resolve().parent.parent
 

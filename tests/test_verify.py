@@ -1,4 +1,4 @@
-"""relgen.verify: check_spec and `relgen check` against the FP64 reference (Triton's interpreter on CPU)."""
+"""relgen.check.verify: check_spec and `relgen check` against the FP64 reference (Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import relgen
-from relgen import runtime, verify
-from relgen.cli import main
+from relgen.check import verify
+from relgen.cli.main import main
+from relgen.runtime import mechanism as runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 T5 = ROOT / "specs" / "t5.yaml"

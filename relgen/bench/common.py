@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relgen.spec import MechanismSpec, load_spec
+from relgen.spec.model import MechanismSpec, load_spec
 
 #: The paper's sweep (§5.2): a 16K-token budget, B = TOKENS / N.
 SEQ_LENS: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -117,7 +117,7 @@ def projection_count(spec: MechanismSpec) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_rows(spec: MechanismSpec, seq_len: int) -> int:
     """R of the plan at this length (TXL: 2N − 1, Shaw 513, DeBERTa 512, T5 32)."""
-    from relgen.analyze import analyze
+    from relgen.plan.analyze import analyze
 
     return analyze(spec, seq_len).rows
 

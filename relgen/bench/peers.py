@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from relgen.bench.common import ABLATIONS, SYSTEMS
-from relgen.spec import MechanismSpec
+from relgen.spec.model import MechanismSpec
 
 Tensor = torch.Tensor
 AttentionFn = Callable[..., Tensor]
@@ -283,17 +283,17 @@ def relgen_variant(name: str) -> Callable[[MechanismSpec], AttentionFn]:
     """The one hook mapping a Table 7 ablation to relgen: returns `build(spec) -> fn(q, k, v, aq=, ak=, bias=)`.
 
     relgen's kernels are to expose each switch as a keyword (``fn(..., ablation=name)``) and list the names they
-    support in ``relgen.runtime.ABLATIONS``. Until they do, this raises NotImplementedError, which the worker
+    support in ``relgen.runtime.mechanism.ABLATIONS``. Until they do, this raises NotImplementedError, which the worker
     records as status "unsupported": the benchmark never reports a number for a variant relgen cannot run.
     """
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; expected one of {sorted(ABLATIONS)}")
-    import relgen.runtime as runtime
+    import relgen.runtime.mechanism as runtime
 
     supported = getattr(runtime, "ABLATIONS", None)
     if not supported or name not in supported:
         raise NotImplementedError(
-            f"relgen exposes no ablation switch {name!r} yet (relgen.runtime.ABLATIONS lists none); "
+            f"relgen exposes no ablation switch {name!r} yet (relgen.runtime.mechanism.ABLATIONS lists none); "
             "wire it in relgen.bench.peers.relgen_variant"
         )
 

@@ -33,7 +33,7 @@ import torch
 
 from relgen.bench import common
 from relgen.bench.common import BUILT_MARK, DTYPES, RECORD_MARK, START_MARK, SYSTEMS, check_close, credited_flops
-from relgen.spec import load_spec
+from relgen.spec.model import load_spec
 
 #: The reference is computed in query blocks whose largest tensors stay within this many bytes (it runs after the
 #: system under test has been freed, so it may use the GPU's memory).

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from relgen.arguments import Call, prepare_call
 from relgen.distributed.dropout import pair_seed
 from relgen.distributed.sharding import Segment
+from relgen.runtime.arguments import Call, prepare_call
 
 __all__ = ["Blocks", "Tables"]
 

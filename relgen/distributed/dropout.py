@@ -1,7 +1,7 @@
 """Dropout in a sharded call: the seed each (query chunk, key chunk) pair draws with, and the keep mask that a
 sharded call draws as a whole.
 
-The kernels key their Philox counter by a call's own query and key indices and its own sizes (relgen.dropout),
+The kernels key their Philox counter by a call's own query and key indices and its own sizes (relgen.runtime.dropout),
 not by absolute positions, so two pairs of equal chunks given the same seed would draw the same mask. Each pair
 therefore draws with a seed of its own, an affine function of the call's seed modulo the prime 2³¹ − 1 that is
 one-to-one in the pair: a proper dropout mask, the same in the forward and the backward and from run to run,

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from relgen.arguments import LN2, seed_snapshot
 from relgen.distributed.autograd import RingAttention, RingCall
 from relgen.distributed.blocks import ROW_DIMS, Blocks
 from relgen.distributed.ring import Ring
 from relgen.distributed.schedule import Layout
 from relgen.distributed.sharding import check_sharding, chunk_count
-from relgen.runtime import Mechanism, compile_mechanism
-from relgen.spec import MechanismSpec
+from relgen.runtime.arguments import LN2, seed_snapshot
+from relgen.runtime.mechanism import Mechanism, compile_mechanism
+from relgen.spec.model import MechanismSpec
 
 __all__ = ["ContextParallel", "context_parallel"]
 

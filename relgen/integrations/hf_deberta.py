@@ -67,7 +67,7 @@ class _State:
 
 def _spec(module: nn.Module) -> dict[str, Any]:
     """The mechanism of one DisentangledSelfAttention, from the module's own configuration."""
-    from relgen.runtime import SUPPORTED_HEAD_DIMS
+    from relgen.runtime.arguments import SUPPORTED_HEAD_DIMS
 
     if not module.relative_attention:
         raise Unsupported("relative_attention=False (no relative term)")
@@ -77,7 +77,7 @@ def _spec(module: nn.Module) -> dict[str, Any]:
         raise Unsupported(f"pos_att_type={types} (neither c2p nor p2c)")
     head_dim = module.attention_head_size
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise Unsupported(f"head_dim={head_dim} (not among the kernels' relgen.runtime.SUPPORTED_HEAD_DIMS)")
+        raise Unsupported(f"head_dim={head_dim} (not among the kernels' relgen.runtime.arguments.SUPPORTED_HEAD_DIMS)")
     span = module.pos_ebd_size
     if module.position_buckets > 0:
         offset_map = {
@@ -103,7 +103,7 @@ def _compiled(spec: dict[str, Any]) -> _State:
 
 
 def _prepare_attention(module: nn.Module) -> _State:
-    from relgen.spec import SpecError
+    from relgen.spec.model import SpecError
 
     try:
         return _compiled(_spec(module))

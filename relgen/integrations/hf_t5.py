@@ -218,8 +218,8 @@ def _register() -> None:
 
 
 def _prepare(module: nn.Module) -> _State:
-    from relgen.runtime import SUPPORTED_HEAD_DIMS
-    from relgen.spec import SpecError
+    from relgen.runtime.arguments import SUPPORTED_HEAD_DIMS
+    from relgen.spec.model import SpecError
 
     head_dim = module.key_value_proj_dim
     if head_dim not in SUPPORTED_HEAD_DIMS:

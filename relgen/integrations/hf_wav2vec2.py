@@ -43,7 +43,8 @@ from torch import nn
 
 from relgen.integrations._core import Adapter, Unsupported, fall_back, register
 from relgen.integrations._hf import wants_attentions
-from relgen.runtime import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Mechanism, compile_mechanism
+from relgen.runtime.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from relgen.runtime.mechanism import Mechanism, compile_mechanism
 
 _TXL_UV = {
     "name": "txl_uv",

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from relgen.integrations._core import Adapter, Unsupported, fall_back, register
-from relgen.runtime import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Mechanism, compile_mechanism
+from relgen.runtime.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from relgen.runtime.mechanism import Mechanism, compile_mechanism
 
 _MODULE = "nemo.collections.asr.parts.submodules.multi_head_attention"
 _SERVED = "RelPositionMultiHeadAttention"

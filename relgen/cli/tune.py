@@ -1,6 +1,6 @@
 """`relgen tune` and `relgen warmup`: tile configurations measured on the GPU, and compilation ahead of time.
 
-Tuning (CUDA only). For every spec and sequence-length bucket (relgen.tuning.BUCKETS, or --seq-lens) it times a
+Tuning (CUDA only). For every spec and sequence-length bucket (relgen.tiles.tuning.BUCKETS, or --seq-lens) it times a
 short list of candidate `KernelConfig`s with the paper's shapes (batch B = 16384 // N, H = 12 heads), forward and
 backward separately, each with `triton.testing.do_bench` (median):
 
@@ -16,11 +16,11 @@ The group size stays 128 (the analyzer plans with it). Forward and backward winn
 (the backward only depends on the group, which all candidates share). A candidate that fails to compile, runs
 out of resources or memory, or gives a result that differs from the heuristic configuration's beyond
 `relgen.testing.check_close` is skipped and the reason recorded. Specs whose kernels share a table key
-(`relgen.tuning.table_key`: kernel family, dtype, head dim, bucket) are timed together: a candidate's time is the sum
-over them.
+(`relgen.tiles.tuning.table_key`: kernel family, dtype, head dim, bucket) are timed together: a candidate's time is
+the sum over them.
 
-The winners are merged into relgen/tuning_tables/sm{major}{minor}.json (or --out), the file that
-`relgen.tuning.lookup` reads, after every finished entry (so a run stopped by --budget-s or killed keeps what it
+The winners are merged into relgen/tiles/tuning_tables/sm{major}{minor}.json (or --out), the file that
+`relgen.tiles.tuning.lookup` reads, after every finished entry (so a run stopped by --budget-s or killed keeps what it
 finished); the measured times go to the file's "_timings" section. --resume skips entries already in the file.
 
 Warmup (CUDA only): one forward and backward per bucket, batch 1, 12 heads, so that the kernels of every
@@ -108,8 +108,8 @@ class FatalCudaError(Exception):
 # helpers shared by tune and warmup
 # ------------------------------------------------------------------------------------------------------------
 def _require_cuda(command: str, why: str) -> None:
-    from relgen.cli import CommandError
-    from relgen.runtime import interpreting
+    from relgen.backend import interpreting
+    from relgen.cli.main import CommandError
 
     if not torch.cuda.is_available():
         raise CommandError(f"'relgen {command}' needs a CUDA GPU and none was found: {why}")
@@ -121,7 +121,7 @@ def _require_cuda(command: str, why: str) -> None:
 
 
 def _check_options(dtype: str, head_dim: int, seq_lens: Sequence[int] | None) -> None:
-    from relgen.runtime import SUPPORTED_HEAD_DIMS
+    from relgen.runtime.arguments import SUPPORTED_HEAD_DIMS
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -133,14 +133,14 @@ def _check_options(dtype: str, head_dim: int, seq_lens: Sequence[int] | None) ->
 
 def _load_specs(paths: Sequence[str]) -> list[tuple[str, Any]]:
     """(path, spec) for every path; the first bad spec ends the command (exit 2) before any GPU time is spent."""
-    from relgen import cli
+    from relgen.cli import main as cli
 
     return [(path, cli._analyze(path, None)[0]) for path in paths]
 
 
 def _lengths(seq_lens: Sequence[int] | None) -> list[int]:
     """The sequence lengths to run: the given ones (one per bucket, the first wins), else every bucket's top."""
-    from relgen import tuning
+    from relgen.tiles import tuning
 
     if not seq_lens:
         return list(tuning.BUCKETS)
@@ -176,21 +176,21 @@ def _unique(items: Sequence[Any]) -> list[Any]:
 
 
 def forward_candidates(base):
-    from relgen.runtime import AttnTiles
+    from relgen.tiles.configs import AttnTiles
 
     tiles = _unique([base.forward, *(AttnTiles(*t) for t in FORWARD_TILES)])
     return [replace(base, forward=t) for t in tiles]
 
 
 def project_candidates(base):
-    from relgen.runtime import ProjectTiles
+    from relgen.tiles.configs import ProjectTiles
 
     tiles = _unique([base.project, *(ProjectTiles(*t) for t in PROJECT_TILES)])
     return [replace(base, project=t) for t in tiles]
 
 
 def backward_candidates(base):
-    from relgen.runtime import AttnTiles
+    from relgen.tiles.configs import AttnTiles
 
     tiles = _unique([base.backward, *(AttnTiles(*t) for t in BACKWARD_TILES)])
     return [replace(base, backward=t) for t in tiles]
@@ -203,7 +203,7 @@ def with_passes(base, query, key):
 
 def key_pass_candidates(base):
     """The key-parallel pass on its own tiles, the query pass's kept (the passes spill differently)."""
-    from relgen.runtime import AttnTiles
+    from relgen.tiles.configs import AttnTiles
 
     tiles = _unique([base.key_pass, *(AttnTiles(*t) for t in KEY_PASS_TILES)])
     return [with_passes(base, base.backward, t) for t in tiles]
@@ -211,14 +211,14 @@ def key_pass_candidates(base):
 
 def query_pass_candidates(base):
     """The query-parallel pass's tiles again, now that the key pass has its own."""
-    from relgen.runtime import AttnTiles
+    from relgen.tiles.configs import AttnTiles
 
     tiles = _unique([base.backward, *(AttnTiles(*t) for t in BACKWARD_TILES)])
     return [with_passes(base, t, base.key_pass) for t in tiles]
 
 
 def reduce_candidates(base):
-    from relgen.runtime import ReduceTiles
+    from relgen.tiles.configs import ReduceTiles
 
     tiles = _unique([base.reduce, *(ReduceTiles(*t) for t in REDUCE_TILES)])
     return [replace(base, reduce=t) for t in tiles]
@@ -241,7 +241,7 @@ def backward_label(cfg) -> str:
 
 
 def config_entry(cfg) -> dict[str, Any]:
-    """The table entry of a KernelConfig, in the format relgen.tuning.lookup parses."""
+    """The table entry of a KernelConfig, in the format relgen.tiles.tuning.lookup parses."""
     return {
         "group": cfg.group,
         "forward": asdict(cfg.forward),
@@ -256,7 +256,7 @@ def config_entry(cfg) -> dict[str, Any]:
 # the table file
 # ------------------------------------------------------------------------------------------------------------
 def default_table_path() -> Path:
-    from relgen import tuning
+    from relgen.tiles import tuning
 
     major, minor = torch.cuda.get_device_capability()
     return tuning.TABLES / f"sm{major}{minor}.json"
@@ -273,7 +273,7 @@ def read_table(path: Path) -> dict[str, Any]:
 
 def write_entry(path: Path, key: str, entry: dict[str, Any], timings: dict[str, Any]) -> None:
     """Merge one entry (and its timings, under "_timings") into the table file, atomically."""
-    from relgen import tuning
+    from relgen.tiles import tuning
 
     table = read_table(path)
     table[key] = entry
@@ -363,8 +363,8 @@ class Tuner:
         return t.clone()
 
     def problem(self, spec, seq_len: int) -> Problem:
-        from relgen.runtime import compile_mechanism
-        from relgen.verify import make_inputs
+        from relgen.check.verify import make_inputs
+        from relgen.runtime.mechanism import compile_mechanism
 
         inputs = make_inputs(
             spec,
@@ -383,8 +383,8 @@ class Tuner:
 
     def _run(self, problem: Problem, cfg, which: str) -> float:
         """Compile and run once (checking the result), then time; returns the median in ms."""
-        from relgen.runtime import override_config
         from relgen.testing import check_close
+        from relgen.tiles.select import override_config
 
         with override_config(cfg):
             if which == "forward":
@@ -434,7 +434,7 @@ class Tuner:
 
     def tune(self, specs: Sequence[Any], seq_len: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The table entry and timings of one key (specs sharing it) at one length; None if nothing ran."""
-        from relgen.runtime import default_config
+        from relgen.tiles.configs import default_config
 
         problems = [self.problem(spec, seq_len) for spec in specs]
         terms = tuple(problems[0].mechanism.module.PLAN.terms)
@@ -487,8 +487,8 @@ def _triton_version() -> str:
 
 def _family_groups(specs: Sequence[Any]) -> dict[str, list[Any]]:
     """Specs grouped by the kernel families of their plans (the part of the table key that depends on the spec)."""
-    from relgen import tuning
-    from relgen.runtime import compile_mechanism
+    from relgen.runtime.mechanism import compile_mechanism
+    from relgen.tiles import tuning
 
     groups: dict[str, list[Any]] = {}
     for spec in specs:
@@ -503,7 +503,7 @@ def cli_tune(args: argparse.Namespace) -> int:
     """`relgen tune SPEC... [--out PATH] [--seq-lens N ...] [--dtype fp16] [--head-dim 64] [--budget-s S]
     [--resume]`: exit 0 when done or stopped by the budget, 1 if an entry could not be tuned or CUDA failed."""
     _require_cuda("tune", "tile configurations are timed on the GPU (Triton's interpreter on the CPU has no speed)")
-    from relgen import tuning
+    from relgen.tiles import tuning
 
     dtype_name, head_dim = getattr(args, "dtype", "fp16"), getattr(args, "head_dim", 64)
     seq_lens = getattr(args, "seq_lens", None)
@@ -564,9 +564,10 @@ def cli_warmup(args: argparse.Namespace) -> int:
     """`relgen warmup SPEC... [--dtype fp16] [--head-dim 64] [--seq-lens N ...]`: one forward and backward per
     length (batch 1, 12 heads) to compile every configuration the lookup picks; prints the times."""
     _require_cuda("warmup", "Triton's interpreter on the CPU compiles nothing, so there is nothing to warm up")
-    from relgen import descriptors, tuning
-    from relgen.runtime import compile_mechanism
-    from relgen.verify import make_inputs
+    from relgen.check.verify import make_inputs
+    from relgen.runtime import descriptors
+    from relgen.runtime.mechanism import compile_mechanism
+    from relgen.tiles import tuning
 
     dtype_name, head_dim = getattr(args, "dtype", "fp16"), getattr(args, "head_dim", 64)
     seq_lens = getattr(args, "seq_lens", None)

@@ -1,5 +1,5 @@
 """Tuned tile configurations: lookup tables per compute capability, kernel family, dtype, head dim and
-sequence-length bucket (written by `relgen tune`, committed under relgen/tuning_tables/).
+sequence-length bucket (written by `relgen tune`, committed under relgen/tiles/tuning_tables/).
 
 A kernel family is what the table key takes from the plan: its relation terms, and whether its map saturates. A
 map whose rows grow with N (the identity map of Transformer-XL) has no saturated tiles, so its best tiles differ
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from relgen.tiles.configs import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
 #: Upper ends of the sequence-length buckets; longer sequences use the last one.
 BUCKETS = (64, 128, 384, 512, 768, 1024, 2048, 4096, 8192)
@@ -63,7 +65,6 @@ def lookup(family: str, dtype: torch.dtype, head_dim: int, seq_len: int):
 
 def table_config(capability: str, family: str, dtype: torch.dtype, head_dim: int, seq_len: int):
     """The committed entry of compute capability `capability` (e.g. "90") as a KernelConfig, or None."""
-    from relgen.config import AttnTiles, KernelConfig, ProjectTiles, ReduceTiles
 
     entry = _table(capability).get(table_key(family, dtype, head_dim, seq_len))
     if entry is None:

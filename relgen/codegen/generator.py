@@ -27,11 +27,11 @@ import jinja2
 import jinja2.nodes
 import numpy as np
 
-from relgen import __version__, tuning
-from relgen.analyze import Path as GradientPath
-from relgen.analyze import Plan, Projections, Relations, analyze
-from relgen.expr import parse_expression
-from relgen.spec import TERM_ORDER, HasTerms, load_spec
+from relgen import __version__
+from relgen.plan.analyze import Path as GradientPath
+from relgen.plan.analyze import Plan, Projections, Relations, analyze
+from relgen.spec.expr import parse_expression
+from relgen.spec.model import TERM_ORDER, HasTerms, load_spec
 
 TEMPLATE = "mechanism.py.j2"
 
@@ -231,7 +231,7 @@ class GenerationFlags:
         bias_from = None if bias_from is None else Source(bias_from)
         terms = {"query": "q·a^Q_φ", "key": "k·a^K_φ", "bias": "b_φ"}
         saturates = not values.length_dependent
-        in_tile = tuning.in_tile(values)
+        in_tile = values.relations == "in_tile"
         by_row = values.projections == "by_row"
         by_offset = not in_tile and not by_row  # band tiles read stored projections at their offset's column
         return cls(
@@ -312,11 +312,11 @@ def _fold_literal(plan: PlanValues) -> Source:
 
 def _template_dir() -> Path:
     """templates/ beside the package: inside it in a wheel (relgen/templates), or at the top of a source tree."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
+    package = Path(__file__).resolve().parents[1]  # relgen/
+    for candidate in (package / "templates", package.parent / "templates"):
         if (candidate / TEMPLATE).exists():
             return candidate
-    raise FileNotFoundError(f"{TEMPLATE} not found beside {here}: is the package installed with its templates?")
+    raise FileNotFoundError(f"{TEMPLATE} not found beside {package}: is the package installed with its templates?")
 
 
 class _Environment(jinja2.Environment):
@@ -411,24 +411,3 @@ def _write_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def cli_build(args) -> int:
-    """`relgen build SPEC... [-o DIR]`: a spec that cannot be loaded, analyzed or generated is reported (one line)
-    and the others are still built, exit status 2; a folder or file that cannot be written stops the command."""
-    from relgen import cli
-
-    status = 0
-    for source in args.specs:
-        try:
-            _, plan = cli._analyze(source, None)
-            PlanValues.of(plan)
-        except (ValueError, NotImplementedError) as err:
-            status = cli._error(str(err) if str(err).startswith(source) else f"{source}: {err}")
-            continue
-        try:
-            path = write_module(plan, args.out)
-        except OSError as err:
-            raise cli.CommandError(f"--out: cannot write the module of {source}: {cli.os_error_text(err)}") from None
-        print(f"wrote {path}")
-    return status

@@ -1,6 +1,6 @@
 """Offset maps φ: the one place that says which relation row an offset δ = i − j reads.
 
-Each map kind is a declarative Pydantic model (strictly typed, bounded by `relgen.limits`) with two methods:
+Each map kind is a declarative Pydantic model (strictly typed, bounded by `relgen.spec.limits`) with two methods:
 
 * ``num_rows(length)`` — R, the number of table rows (only the identity map depends on the length);
 * ``row_ids(delta, length)`` — φ(δ) for an integer array of offsets, vectorised.
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from relgen.expr import Expression, ExpressionError, cached_expression
-from relgen.limits import MAX_BOUNDARIES, MAX_EXPRESSION_LENGTH, MAX_OFFSET, MAX_ROWS, quoted
+from relgen.spec.expr import Expression, ExpressionError, cached_expression
+from relgen.spec.limits import MAX_BOUNDARIES, MAX_EXPRESSION_LENGTH, MAX_OFFSET, MAX_ROWS, quoted
 
 Offset = Literal["query_minus_key", "key_minus_query"]
 
@@ -183,7 +183,7 @@ class BoundariesMap(_Map):
 
 
 class ExpressionMap(_Map):
-    """Row = expr(δ), an expression in ``delta`` (see `relgen.expr`) with integer values in [0, rows)."""
+    """Row = expr(δ), an expression in ``delta`` (see `relgen.spec.expr`) with integer values in [0, rows)."""
 
     kind: Literal["expression"]
     expr: str = Field(

@@ -1,4 +1,5 @@
-"""Kernels against the FP64 reference: random inputs for a spec, one comparison, and `relgen check`.
+"""Kernels against the FP64 reference: random inputs for a spec and one comparison, shared by the tests and
+`relgen check` (relgen.cli.commands).
 
 The test suite (tests/kernel_cases.py re-exports this module) and `relgen check` share this one implementation;
 the tolerance criterion itself is `relgen.testing.check_close`.
@@ -6,7 +7,6 @@ the tolerance criterion itself is `relgen.testing.check_close`.
     make_inputs(spec, ...)        random q, k, v and the spec's tables (leaf tensors that require grad)
     compare(spec, inputs, ...)    relgen's output and every gradient against relgen.reference.attention
     check_spec(spec, ...)         compare() at a few sequence lengths, as CheckResult rows
-    cli_check(args)               `relgen check SPEC... [--seq-len N ...]`
 
 `relgen check` exits 0 when every tensor passed, 1 when a tensor failed or a run raised, and otherwise 2 when a
 spec could not be loaded or a check was not run: a combination relgen does not support here (NotImplementedError,
@@ -16,18 +16,15 @@ spec's verdict NOT RUN, or INCOMPLETE when other lengths passed), never as a fai
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from relgen.spec import MechanismSpec, load_spec
+from relgen.spec.model import MechanismSpec, load_spec
 from relgen.testing import check_close
 
 __all__ = [
@@ -36,7 +33,6 @@ __all__ = [
     "Inputs",
     "assert_all_close",
     "check_spec",
-    "cli_check",
     "compare",
     "gradient_runs",
     "make_inputs",
@@ -103,7 +99,7 @@ def _pairs(spec, inputs: Inputs, check_grads: bool, options: dict) -> list[tuple
     """(name, relgen's tensor, the FP64 reference's tensor) for the output and, with check_grads, every gradient
     (of <dO, O> for a fixed random dO)."""
     from relgen import reference
-    from relgen.runtime import compile_mechanism
+    from relgen.runtime.mechanism import compile_mechanism
 
     fn = compile_mechanism(spec)
     keep_mask = options.pop("keep_mask", None)  # the reference's explicit dropout mask
@@ -205,7 +201,7 @@ def default_device() -> torch.device:
 
 def _use_interpreter_on_cpu(device: torch.device) -> None:
     """Kernels on CPU tensors run in Triton's interpreter (must be on before the generated modules load)."""
-    from relgen.runtime import interpreting
+    from relgen.backend import interpreting
 
     if device.type == "cpu" and not interpreting():
         os.environ["TRITON_INTERPRET"] = "1"
@@ -261,7 +257,7 @@ def check_spec(
 # ------------------------------------------------------------------------------------------------------------
 # relgen check
 # ------------------------------------------------------------------------------------------------------------
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def format_table(results: Sequence[CheckResult]) -> list[str]:
@@ -282,72 +278,3 @@ def format_table(results: Sequence[CheckResult]) -> list[str]:
             cells.append("-" if r is None else f"{'ok' if r.ok else 'FAIL'} {r.error_text}")
         lines.append(f"  {n:>6}  " + "".join(f"{c:<{width}}" for c in cells).rstrip())
     return lines
-
-
-def cli_check(args: argparse.Namespace) -> int:
-    """`relgen check SPEC... [--seq-len N ...]`: exit 0 if every tensor passes, 1 if any fails (or a run raises),
-    else 2 if a spec cannot be loaded or analyzed or a check is not run (each reported, the other specs are still
-    checked)."""
-    from relgen import cli, codegen
-    from relgen.runtime import SUPPORTED_HEAD_DIMS
-
-    seq_lens = tuple(getattr(args, "seq_len", None) or DEFAULT_SEQ_LENS)
-    bad = [n for n in seq_lens if not 1 <= n <= MAX_CHECK_SEQ_LEN]
-    if bad:
-        raise ValueError(
-            f"--seq-len: expected lengths from 1 to {MAX_CHECK_SEQ_LEN} (the FP64 reference holds every score), "
-            f"got {bad[0]}"
-        )
-    dtype_name = getattr(args, "dtype", None)
-    dtype = _DTYPES[dtype_name] if dtype_name else None
-    head_dim = getattr(args, "head_dim", None)
-    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"--head-dim: expected one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, got {head_dim}")
-    device = default_device()
-    failures = refusals = False
-    started = time.perf_counter()
-    for path in args.specs:
-        try:
-            spec, plan = cli._analyze(path, None)
-            codegen.PlanValues.of(plan)  # a plan code generation refuses is the spec's problem, not a kernel's
-        except (ValueError, NotImplementedError) as err:
-            cli._error(str(err) if str(err).startswith(path) else f"{path}: {err}")
-            refusals = True
-            continue
-        t0 = time.perf_counter()
-        results: list[CheckResult] = []
-        errors: list[str] = []
-        not_run: dict[str, list[int]] = {}  # reason → lengths
-        for n in seq_lens:
-            try:
-                results.extend(check_spec(spec, (n,), device=device, dtype=dtype, head_dim=head_dim))
-            except NotImplementedError as err:  # unsupported here: neither a pass nor a failure
-                not_run.setdefault(cli._one_line(str(err)), []).append(n)
-            except Exception as err:  # a kernel that does not compile or run: a failure, not a crash
-                errors.append(f"N={n}: {type(err).__name__}: {cli._one_line(str(err))}")
-        failed = [r for r in results if not r.ok]
-        if results:
-            r = results[0]
-            setting = f"{r.device}, {r.dtype}, d={r.head_dim}, batch 1, 2 heads"
-        else:
-            setting = f"{device}, {dtype_name}" if dtype_name else str(device)
-        passed = len(results) - len(failed)
-        verdict = "FAILED" if failed or errors else ("INCOMPLETE" if results else "NOT RUN") if not_run else "ok"
-        print(f"{verdict}  {path}  {spec.name}  ({setting})  rel-l2 vs FP64 reference")
-        if results:
-            print("\n".join(format_table(results)))
-        for r in failed:
-            print(f"  FAIL N={r.seq_len} {r.tensor}: {r.message}")
-        for line in errors:
-            print(f"  ERROR {line}")
-        for reason, lengths in not_run.items():
-            print(f"  NOT RUN N={', '.join(map(str, lengths))}: {reason}")
-        extra = f", {len(errors)} lengths raised" if errors else ""
-        extra += f", {sum(map(len, not_run.values()))} lengths not run" if not_run else ""
-        print(f"  {passed}/{len(results)} tensors passed{extra}  ({time.perf_counter() - t0:.1f} s)")
-        sys.stdout.flush()
-        failures = failures or bool(failed or errors)
-        refusals = refusals or bool(not_run)
-    if len(args.specs) > 1:
-        print(f"total {time.perf_counter() - started:.1f} s")
-    return 1 if failures else cli.EXIT_ERROR if refusals else 0

@@ -1,9 +1,9 @@
 """torch.compile support: a generated module's two passes as torch.library custom ops.
 
-TorchDynamo cannot trace the host code that launches relgen's kernels (relgen.launch keeps compiled kernels and
+TorchDynamo cannot trace the host code that launches relgen's kernels (relgen.runtime.launch keeps compiled kernels and
 calls their launchers directly; under the interpreter the kernels themselves are Python). A custom op is opaque
 to the compiler: it learns the outputs' shapes from a *fake* implementation, which runs the same argument checks
-(relgen.arguments) and allocates the same buffers on shape-only tensors, and the compiled graph calls the real
+(relgen.runtime.arguments) and allocates the same buffers on shape-only tensors, and the compiled graph calls the real
 kernels at run time. Both ops run the generated module's own forward and backward passes (`Passes`), so a
 compiled call computes bit for bit what an eager one does.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from relgen.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous
+from relgen.runtime.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous
 
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
@@ -41,7 +41,7 @@ Projections = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | Non
 class Passes:
     """The host functions of one generated module that the ops run."""
 
-    #: relgen.arguments.prepare_call with the module's plan: (q, k, v, aq, ak, bias, **options) → Call
+    #: relgen.runtime.arguments.prepare_call with the module's plan: (q, k, v, aq, ak, bias, **options) → Call
     prepare: Callable[..., Call]
     #: (call, keep_projections) → (o, lse2, projections or all None when not kept, expanded tables)
     forward: Callable[[Call, bool], tuple[torch.Tensor, torch.Tensor, Projections, Any]]
@@ -65,7 +65,8 @@ def _kept(projections: Projections, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 #: the call's options after its tensors, as both ops take them. The ops take and return q, k, v, O and their
-#: gradients in the caller's `layout` (relgen.arguments.LAYOUTS), the kernels reading them through [B, H, N, d] views
+#: gradients in the caller's `layout` (relgen.runtime.arguments.LAYOUTS), the kernels reading them through
+#: [B, H, N, d] views
 _OPTIONS = (
     "SymInt? max_seqlen, SymInt q_offset, SymInt k_offset, float dropout_p, SymInt seed, Tensor? seed_tensor, "
     "float? scale, str layout"

@@ -25,79 +25,19 @@ from typing import Any
 
 import torch
 
-from relgen.analyze import Plan, analyze
-from relgen.arguments import (
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
-    Call,
-    finish,
-    heads_major,
-    lastdim_contiguous,
-    prepare_call,
+from relgen.backend import configure_triton
+from relgen.plan.analyze import Plan, analyze
+from relgen.runtime.arguments import (
     reach,
-    seed_snapshot,
 )
-from relgen.config import (
-    INTERPRETER_CONFIG,
-    AttnTiles,
-    KernelConfig,
-    ProjectTiles,
-    ReduceTiles,
-    cdiv,
-    column_splits,
-    configure_triton,
-    default_config,
-    interpreting,
-    override_config,
-    select_config,
-    table_chunks,
-)
-from relgen.custom_ops import Passes
-from relgen.custom_ops import register as register_custom_ops
-from relgen.descriptors import kv_descriptors
-from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
-from relgen.launch import Launcher
-from relgen.limits import MAX_SEQ_LEN
-from relgen.spec import MechanismSpec, load_spec
+from relgen.spec.limits import MAX_SEQ_LEN
+from relgen.spec.model import MechanismSpec, load_spec
 
-# before any of relgen's kernels is defined (the generated modules import this module first, relgen.dropout after
-# it): Triton's interpreter when there is no CUDA device
+# before any of relgen's kernels is defined (the generated modules import the runtime first, relgen.runtime.dropout
+# after it): Triton's interpreter when there is no CUDA device
 configure_triton()
 
-__all__ = [
-    "ABLATIONS",
-    "INTERPRETER_CONFIG",
-    "MAX_REPLANNED_WINDOW",
-    "ROW_ALIGN",
-    "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_DIMS",
-    "AttnTiles",
-    "Call",
-    "Geometry",
-    "KernelConfig",
-    "Launcher",
-    "Mechanism",
-    "Passes",
-    "PlanInfo",
-    "ProjectTiles",
-    "ReduceTiles",
-    "cdiv",
-    "column_splits",
-    "compile_mechanism",
-    "default_config",
-    "finish",
-    "heads_major",
-    "interpreting",
-    "kv_descriptors",
-    "lastdim_contiguous",
-    "load_module",
-    "override_config",
-    "prepare_call",
-    "register_custom_ops",
-    "seed_snapshot",
-    "select_config",
-    "table_chunks",
-]
+__all__ = ["ABLATIONS", "MAX_REPLANNED_WINDOW", "Mechanism", "cache_dir", "compile_mechanism", "load_module"]
 
 #: The paper's Table 7 switches that `fn(..., ablation=name)` accepts (relgen bench --ablation).
 ABLATIONS = (
@@ -134,7 +74,7 @@ _MODULES_LOCK = threading.RLock()
 
 def load_module(plan: Plan) -> ModuleType:
     """Render, write and import the module of `plan` (cached by the source's hash)."""
-    from relgen import codegen
+    from relgen.codegen import generator as codegen
 
     source = codegen.render(plan)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -197,8 +137,8 @@ class Mechanism:
                 f"q_offset, k_offset: the map of spec '{self.plan.spec_name}' is not proven constant beyond |δ| < "
                 f"{limit}, and this call's query-key pairs reach |δ| = {window - 1} (from its sequence lengths and "
                 f"q_offset − k_offset, or max_seqlen); relgen re-plans such a map for at most "
-                f"relgen.runtime.MAX_REPLANNED_WINDOW = {MAX_REPLANNED_WINDOW} offsets (a map whose saturation the "
-                "analyzer proves needs no re-planning)"
+                f"relgen.runtime.mechanism.MAX_REPLANNED_WINDOW = {MAX_REPLANNED_WINDOW} offsets (a map whose "
+                "saturation the analyzer proves needs no re-planning)"
             )
         return _WIDER[_load_wider(self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
 

@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from relgen.limits import MAX_SEQ_LEN, quoted
-from relgen.maps import ExpressionMap, IdentityMap
-from relgen.spec import DEFAULT_SCALE, HasTerms, MechanismSpec, SpecError, load_spec
+from relgen.spec.limits import MAX_SEQ_LEN, quoted
+from relgen.spec.maps import ExpressionMap, IdentityMap
+from relgen.spec.model import DEFAULT_SCALE, HasTerms, MechanismSpec, SpecError, load_spec
 
 #: Query/key group size G: the largest tile, so every tile reads one group's window.
 GROUP_SIZE = 128

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relgen.config import interpreting
+from relgen.backend import interpreting
 
 #: descriptors on where a call allows them; off, every tile loads through pointers (tests run both paths)
 enabled = True
@@ -72,8 +72,8 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, *, varlen: bo
     if not enabled or pairs < MIN_PAIRS or varlen or not _supported(k.device):
         return None, None
     if k.shape[-1] & (k.shape[-1] - 1):
-        # a padded head dim (relgen.config.head_block): a box is a power of two wide, wider than the rows here, and
-        # those tiles keep the pointer loads, whose masks zero the padding
+        # a padded head dim (relgen.tiles.configs.head_block): a box is a power of two wide, wider than the rows
+        # here, and those tiles keep the pointer loads, whose masks zero the padding
         return None, None
     if not (_readable(k) and _readable(v)):
         return None, None

@@ -3,7 +3,7 @@
 The text is untrusted. A tokenizer accepts only the grammar's own tokens — numbers, the variables, the whitelisted
 functions and constants, ``+ - * / // % **``, parentheses, commas and spaces — and refuses everything else (``#``,
 quotes, newlines, ``;``, ``_``, other names) before a recursive-descent parser builds a tree under the limits of
-`relgen.limits`. Nothing reaches `eval`, Python's `ast` (which skips ``#`` comments) or sympy's parser. Every
+`relgen.spec.limits`. Nothing reaches `eval`, Python's `ast` (which skips ``#`` comments) or sympy's parser. Every
 constant part is evaluated while parsing, so a division by zero, an overflow or a complex value is refused at
 once. The tree evaluates in float64 with numpy (vectorised over offsets), never exactly, so evaluation is bounded;
 `Expression.bounds` bounds it over an interval (the analyzer's saturation proofs) and `Expression.to_sympy` gives
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 
-from relgen.limits import (
+from relgen.spec.limits import (
     MAX_DEGREE,
     MAX_EXPONENT,
     MAX_EXPRESSION_DEPTH,

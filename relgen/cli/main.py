@@ -2,10 +2,10 @@
 
     relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON)
     relgen validate SPEC...                        load and analyze each spec, one line per spec
-    relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.codegen.cli_build)
-    relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.verify.cli_check)
-    relgen tune SPEC... [--out PATH]               tile configurations, CUDA only     (relgen.tune.cli_tune)
-    relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.tune.cli_warmup)
+    relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.cli.commands.cli_build)
+    relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.cli.commands.cli_check)
+    relgen tune SPEC... [--out PATH]               tile configurations, CUDA only     (relgen.cli.tune.cli_tune)
+    relgen warmup SPEC... [--dtype fp16] [--head-dim 64]   compile ahead of time      (relgen.cli.tune.cli_warmup)
     relgen bench ...                               passed through to relgen.bench.cli.main
 
 A bad spec, a bad argument or a file that cannot be read or written ends the command with one line on stderr,
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from relgen import __version__
-from relgen.analyze import Plan, analyze
-from relgen.spec import MechanismSpec, SpecError, load_spec
+from relgen.plan.analyze import Plan, analyze
+from relgen.spec.model import MechanismSpec, SpecError, load_spec
 
 #: Exit status of a command stopped by a bad spec, a bad argument or a missing subcommand.
 EXIT_ERROR = 2
@@ -44,10 +44,10 @@ DTYPE_CHOICES = ("fp16", "bf16", "fp32")
 #: Subcommands implemented elsewhere: name → (module, function). Each function takes the argparse Namespace and
 #: returns an exit status. They are imported only when their subcommand runs (they pull in triton).
 HOOKS: dict[str, tuple[str, str]] = {
-    "build": ("relgen.codegen", "cli_build"),
-    "check": ("relgen.verify", "cli_check"),
-    "tune": ("relgen.tune", "cli_tune"),
-    "warmup": ("relgen.tune", "cli_warmup"),
+    "build": ("relgen.cli.commands", "cli_build"),
+    "check": ("relgen.cli.commands", "cli_check"),
+    "tune": ("relgen.cli.tune", "cli_tune"),
+    "warmup": ("relgen.cli.tune", "cli_warmup"),
 }
 BENCH_MODULE = "relgen.bench.cli"
 
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=cmd_validate)
 
-    # -- hooks: subcommands implemented in relgen.codegen / relgen.verify / relgen.tune (see HOOKS) -----------
+    # -- hooks: subcommands implemented in relgen.cli.commands / relgen.cli.tune (see HOOKS) ---------------------------
     p = sub.add_parser("build", help="write the generated kernel modules")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument("-o", "--out", default="generated", metavar="DIR", help="output folder (default: generated)")
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune tile configurations (needs a CUDA GPU)")
     p.add_argument("specs", metavar="SPEC", nargs="+", help="YAML spec files")
     p.add_argument(
-        "--out", default=None, metavar="PATH", help="table to write (default relgen/tuning_tables/smXY.json)"
+        "--out", default=None, metavar="PATH", help="table to write (default relgen/tiles/tuning_tables/smXY.json)"
     )
     _bucket_lengths(p)
     p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")

@@ -7,7 +7,7 @@
 
 `load_spec` accepts a `MechanismSpec`, a dict, a path to a YAML file or YAML text, and turns every problem into a
 one-line `SpecError` naming the field (and, for YAML, the line) instead of a traceback. Specs are shared like model
-configs, so they are untrusted: sizes are bounded (`relgen.limits`) before any work, the YAML is read as plain data
+configs, so they are untrusted: sizes are bounded (`relgen.spec.limits`) before any work, the YAML is read as plain data
 (strings, numbers, booleans, null, lists, mappings; no other tag, no duplicate key, aliases counted as expanded)
 and every field is strictly typed (no string read as a bool or a number).
 """
@@ -26,8 +26,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from relgen.expr import ExpressionError, cached_expression, compile_expression
-from relgen.limits import (
+from relgen.spec.expr import ExpressionError, cached_expression, compile_expression
+from relgen.spec.limits import (
     MAX_DESCRIPTION_LENGTH,
     MAX_NAME_LENGTH,
     MAX_NUMBER_LENGTH,
@@ -37,7 +37,7 @@ from relgen.limits import (
     quoted,
     shortened,
 )
-from relgen.maps import MapSpec
+from relgen.spec.maps import MapSpec
 
 Term = Literal["query", "key", "bias"]
 TERM_ORDER: tuple[Term, ...] = ("query", "key", "bias")

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from relgen.config import KernelConfig, capturing, head_block
+from relgen.backend import capturing
+from relgen.tiles.configs import KernelConfig, head_block
 
 LOG2E = 1.4426950408889634
 #: Rows of the per-token buffers (Z̃, dZ̃) start at multiples of this many elements (16 bytes in fp16). Kernels
@@ -44,7 +45,7 @@ class PlanInfo:
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    # the Geometry of each call signature that passed check_call (relgen.arguments.prepare_call)
+    # the Geometry of each call signature that passed check_call (relgen.runtime.arguments.prepare_call)
     calls: OrderedDict[tuple, Geometry] = field(default_factory=OrderedDict, compare=False, hash=False, repr=False)
 
     @functools.cached_property
@@ -130,7 +131,7 @@ class Geometry:
 
     `heads` counts query heads, `kv_heads` key/value heads (grouped-query attention: query head h reads key/value
     head h // kv_group); tables, Z̃ and dZ̃ are per query head. `layout`: the caller's layout of dense q, k, v and
-    O (relgen.arguments.LAYOUTS); the kernels see [B, H, N, d] views of them either way."""
+    O (relgen.runtime.arguments.LAYOUTS); the kernels see [B, H, N, d] views of them either way."""
 
     plan: PlanInfo
     batch: int
@@ -143,7 +144,7 @@ class Geometry:
     dtype: torch.dtype
     scale: float
     dropout_p: float
-    seed: int | torch.Tensor  # a tensor: one element the kernels read (relgen.dropout.seed_value)
+    seed: int | torch.Tensor  # a tensor: one element the kernels read (relgen.runtime.dropout.seed_value)
     config: KernelConfig
     varlen: bool = False
     total: int = 0
@@ -194,7 +195,7 @@ class Geometry:
 
     @property
     def block_d(self) -> int:
-        """The kernels' tile width along d (relgen.config.head_block)."""
+        """The kernels' tile width along d (relgen.tiles.configs.head_block)."""
         return head_block(self.head_dim)
 
     @property

@@ -16,13 +16,15 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from relgen.config import capturing, interpreting, overridden, projection_storage, select_config
-from relgen.geometry import LOG2E, Geometry, PlanInfo
-from relgen.limits import quoted
-from relgen.spec import MechanismSpec
+from relgen.backend import capturing, interpreting
+from relgen.runtime.geometry import LOG2E, Geometry, PlanInfo
+from relgen.runtime.storage import projection_storage
+from relgen.spec.limits import quoted
+from relgen.spec.model import MechanismSpec
+from relgen.tiles.select import overridden, select_config
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-#: every multiple of 8 from 16 to 256: the kernels pad d to a power of two internally (relgen.config.head_block)
+#: every multiple of 8 from 16 to 256: the kernels pad d to a power of two internally (relgen.tiles.configs.head_block)
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
 #: the layouts of dense q, k, v and O: [B, H, N, d] (the default) and [B, N, H, d] (HF, FlashAttention), both read
 #: and written through their strides
@@ -60,7 +62,7 @@ def _integer(name: str, value: Any, low: int, high: int, expected: str) -> Any:
 
 
 def _check_offsets(q_offset: Any, k_offset: Any) -> tuple[Any, Any]:
-    expected = f"a non-negative int ≤ {MAX_POSITION} (relgen.arguments.MAX_POSITION)"
+    expected = f"a non-negative int ≤ {MAX_POSITION} (relgen.runtime.arguments.MAX_POSITION)"
     return (
         _integer("q_offset", q_offset, 0, MAX_POSITION, expected),
         _integer("k_offset", k_offset, 0, MAX_POSITION, expected),
@@ -248,7 +250,7 @@ def check_call(
         for name, offset, n in (("q_offset", q_offset, nq), ("k_offset", k_offset, nk)):
             if offset + n > MAX_POSITION:
                 raise ValueError(
-                    f"{name}: the last position {name} + N{name[0]} = {offset} + {n} exceeds relgen.arguments."
+                    f"{name}: the last position {name} + N{name[0]} = {offset} + {n} exceeds relgen.runtime.arguments."
                     f"MAX_POSITION = {MAX_POSITION}, the largest absolute position the kernels hold exactly"
                 )
     for name, t in (("k", k), ("v", v)):
@@ -332,7 +334,7 @@ def check_call(
 def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
     """1 + the largest |δ| among the query-key pairs a call scores (causal: among those it may attend), after
     checking the arguments that decide it: the window a module planned for an unproven map must cover
-    (relgen.runtime.Mechanism). It depends on the offsets' difference only, not on how far along they are."""
+    (relgen.runtime.mechanism.Mechanism). It depends on the offsets' difference only, not on how far along they are."""
     q_offset, k_offset = _check_offsets(options.get("q_offset", 0), options.get("k_offset", 0))
     cu_seqlens, max_seqlen = options.get("cu_seqlens"), options.get("max_seqlen")
     if cu_seqlens is not None or max_seqlen is not None:
