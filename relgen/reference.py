@@ -12,8 +12,8 @@ Conventions shared with the kernels:
 
 * every input is cast with ``.to(torch.float64)``, so autograd flows back to the caller's tensors (whatever their
   dtype) and the result is float64;
-* query rows without any valid key (all keys padded or causally masked) give O = 0, LSE = −inf and zero
-  gradients, never NaN;
+* query rows without any valid key (all keys padded, causally masked or outside the window) give O = 0,
+  LSE = −inf and zero gradients, never NaN;
 * dropout is described by an explicit ``keep_mask`` (True = kept): P·keep/(1 − p), after the softmax; the LSE
   is that of the softmax before dropout;
 * packed sequences (``cu_seqlens``): each sequence attends only within itself, positions restart at 0, and
@@ -107,8 +107,9 @@ def attention(
     other terms are ignored.
 
     ``scale``: τ, default ``spec.scale_value(d)``. ``key_padding_mask`` [B, Nk] bool, True = real key.
-    ``spec.causal`` masks keys with j + k_offset > i + q_offset. ``keep_mask`` [B, H, Nq, Nk] bool (True = kept)
-    with ``dropout_p`` applies P·keep/(1 − dropout_p). ``length``: the identity map's L (dense default
+    ``spec.causal`` masks keys with j + k_offset > i + q_offset; ``spec.window`` those whose j + k_offset lies
+    outside [i + q_offset − left, i + q_offset + right]. ``keep_mask`` [B, H, Nq, Nk] bool (True = kept) with
+    ``dropout_p`` applies P·keep/(1 − dropout_p). ``length``: the identity map's L (dense default
     max(q_offset + Nq, k_offset + Nk); packed default ``max_seqlen``). ``return_lse``: also return the
     natural-log log-sum-exp of the scaled, masked scores (−inf for rows without keys).
     """
@@ -226,6 +227,13 @@ def _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length):
         i = torch.arange(nq, device=q.device)[:, None] + q_offset
         j = torch.arange(nk, device=q.device)[None, :] + k_offset
         valid = valid & (i >= j)
+    if spec.window is not None:  # a plain mask of its own, independent of the causal one
+        i = torch.arange(nq, device=q.device)[:, None] + q_offset
+        j = torch.arange(nk, device=q.device)[None, :] + k_offset
+        if spec.window.left is not None:
+            valid = valid & (j >= i - spec.window.left)
+        if spec.window.right is not None:
+            valid = valid & (j <= i + spec.window.right)
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, nk):
             raise ValueError(f"key_padding_mask must be [B, Nk] = [{batch}, {nk}], got {_shape(key_padding_mask)}")

@@ -69,6 +69,13 @@ def decomposed_reference(
         i = torch.arange(nq, device=q.device)[:, None] + q_offset
         j = torch.arange(nk, device=q.device)[None, :] + k_offset
         valid = valid & (i >= j)
+    if spec.window is not None:
+        i = torch.arange(nq, device=q.device)[:, None] + q_offset
+        j = torch.arange(nk, device=q.device)[None, :] + k_offset
+        if spec.window.left is not None:
+            valid = valid & (j >= i - spec.window.left)
+        if spec.window.right is not None:
+            valid = valid & (j <= i + spec.window.right)
     if key_padding_mask is not None:
         valid = valid & key_padding_mask[:, None, None, :]
     s = s.masked_fill(~valid, float("-inf"))

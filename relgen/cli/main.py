@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from relgen import __version__
-from relgen.plan.analyze import Plan, analyze
+from relgen.plan.analyze import Plan, analyze, local_window_text
 from relgen.spec.model import MechanismSpec, SpecError, load_spec
 
 #: Exit status of a command stopped by a bad spec, a bad argument or a missing subcommand.
@@ -290,6 +290,8 @@ def explain_text(spec: MechanismSpec, plan: Plan) -> str:
     scale = _one_line(str(spec.scale)) if spec.scale is not None else "1/sqrt(d)"
     row("scale τ", f"{scale}  (= {spec.scale_value(64):.6g} at d = 64)")
     row("causal", "yes" if plan.causal else "no")
+    if plan.has_local_window:
+        row("local window", _local_window_text(plan))
     row("tables", "one per layer, shared by all heads" if plan.heads_share_tables else "one per head")
     length_note = "  (2N − 1: grows with the sequence length)" if plan.length_dependent else ""
     row("rows R", f"{plan.rows}{length_note}")
@@ -351,6 +353,14 @@ def _map_text(spec: MechanismSpec) -> str:
     kind = fields.pop("kind")
     params = ", ".join(f"{k}={v}" for k, v in fields.items())
     return _one_line(f"{kind} ({params})" if params else kind)
+
+
+def _local_window_text(plan: Plan) -> str:
+    right_bound = 0 if plan.causal else plan.local_right  # causal admits no key after the query
+    left = f"{plan.local_left} before" if plan.local_left is not None else "all before"
+    right = f"{right_bound} after" if right_bound is not None else "all after"
+    admitted = local_window_text(plan.local_left, right_bound)
+    return f"keys {left}, {right} the query: δ ∈ {admitted}; tiles outside it are skipped"
 
 
 def _proof_text(plan: Plan) -> str:

@@ -136,9 +136,15 @@ class PlanValues(HasTerms):
     relations: Source
     projections: Source
     plan_summary: Source
+    local_left: int | None = None
+    local_right: int | None = None
 
     def summary(self) -> Source:
         return self.plan_summary
+
+    @property
+    def has_local_window(self) -> bool:
+        return self.local_left is not None or self.local_right is not None
 
     @classmethod
     def of(cls, plan: Plan) -> PlanValues:
@@ -178,6 +184,9 @@ class PlanValues(HasTerms):
             relations=_choice(plan.relations, "relations", typing.get_args(Relations)),
             projections=_choice(plan.projections, "projections", typing.get_args(Projections)),
         )
+        for side in ("local_left", "local_right"):
+            bound = getattr(plan, side)
+            values[side] = None if bound is None else _integer(bound, side, 0)
         # the summary is made of the fields checked above; checked again as text (Plan.summary may change)
         summary = _matching(plan.summary(), "summary()", _SUMMARY, "one line of names, numbers and brackets")
         return cls(**values, plan_summary=summary)
@@ -215,6 +224,15 @@ class GenerationFlags:
     fold_literal: Source
     valid_up_to: int | None
     formula: Source
+    # the local window's bounds the kernels test (δ ≤ local_left, δ ≥ −local_right); None: unbounded, or (right)
+    # causal, whose own mask is tighter
+    local_left: int | None
+    local_right: int | None
+
+    @property
+    def local_window(self) -> bool:
+        """The kernels bound their runs of tiles by a local window (causal alone keeps the plain runs)."""
+        return self.local_left is not None or self.local_right is not None
 
     @classmethod
     def from_plan(cls, plan: Plan | PlanValues) -> GenerationFlags:
@@ -230,7 +248,9 @@ class GenerationFlags:
         bias_from = {"folded_query": "query", "vector": "query", "folded_key": "key"}.get(bias_mode)
         bias_from = None if bias_from is None else Source(bias_from)
         terms = {"query": "q·a^Q_φ", "key": "k·a^K_φ", "bias": "b_φ"}
-        saturates = not values.length_dependent
+        # a windowed identity map expands only the window's offsets: pairs beyond them (all masked) then read the
+        # end columns like a saturating map's
+        saturates = not values.length_dependent or values.has_local_window
         in_tile = values.relations == "in_tile"
         by_row = values.projections == "by_row"
         by_offset = not in_tile and not by_row  # band tiles read stored projections at their offset's column
@@ -243,7 +263,7 @@ class GenerationFlags:
             saturates=saturates,
             in_tile=in_tile,
             by_row=by_row,
-            fused_zq=values.has_query and saturates and by_offset,
+            fused_zq=values.has_query and not values.length_dependent and by_offset,
             inner_runs=values.has_query or values.has_key,
             clip_band=saturates and not values.has_key and by_offset,
             end_terms=_joined(
@@ -265,6 +285,8 @@ class GenerationFlags:
             fold_literal=_fold_literal(values),
             valid_up_to=None if values.saturation_proven or values.length_dependent else values.seq_len,
             formula=_joined(terms[t] for t in values.terms),
+            local_left=values.local_left,
+            local_right=None if values.causal else values.local_right,
         )
 
 

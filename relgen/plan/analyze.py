@@ -80,8 +80,15 @@ class Plan(HasTerms):
     cost: dict[str, float] = field(default_factory=dict)
     relations: Relations = "projected"
     projections: Projections = "by_offset"
+    # the spec's local window (its `window` field): keys with δ ∈ [−local_right, local_left] only; None: unbounded
+    local_left: int | None = None
+    local_right: int | None = None
 
     # -- derived -------------------------------------------------------------------------------------------
+    @property
+    def has_local_window(self) -> bool:
+        return self.local_left is not None or self.local_right is not None
+
     @property
     def expanded_rows(self) -> int:
         """C = U − L + 1."""
@@ -132,14 +139,25 @@ class Plan(HasTerms):
             f"shared_tables={self.heads_share_tables}"
             f"{' relations=in_tile' if self.relations == 'in_tile' else ''}"
             f"{' projections=by_row' if self.projections == 'by_row' else ''}"
+            f"{self._local_window_summary()}"
         )
+
+    def _local_window_summary(self) -> str:
+        # absent without a window, so that the headers of modules generated before windows existed stay the same
+        return f" local_window={local_window_text(self.local_left, self.local_right)}" if self.has_local_window else ""
 
     def __str__(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
 
+def local_window_text(left: int | None, right: int | None) -> str:
+    """The offsets a local window admits, δ ∈ [−right, left], with "inf" for an unbounded side."""
+    return f"[{-right if right is not None else '-inf'}, {left if left is not None else 'inf'}]"
+
+
 def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_dim: int = 64) -> Plan:
-    """Analyze `spec` over the window δ ∈ [−(N−1), N−1] of N = `seq_len` tokens.
+    """Analyze `spec` over the window δ ∈ [−(N−1), N−1] of N = `seq_len` tokens (only the offsets its local
+    window admits, when it has one).
 
     Without `seq_len`, the canonical length is used: the shortest power of two from which the saturation
     bounds provably hold for every longer sequence (the plan code generation is specialised on).
@@ -149,9 +167,8 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
     spec = load_spec(spec)
     if n is None:
         n = canonical_length(spec)
-    deltas = np.arange(-(n - 1), n)
     try:
-        rows = np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
+        deltas, rows = _window(spec, n)
     except ValueError as err:
         raise SpecError(f"field 'map': {err}") from None
     num_rows = spec.map.num_rows(n)
@@ -164,6 +181,8 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
     c = high - low + 1
     g = GROUP_SIZE
     window = min(c, n + g - 1)
+    left = spec.window.left if spec.window is not None else None
+    right = spec.window.right if spec.window is not None else None
     return Plan(
         spec_name=spec.name,
         spec_hash=spec.spec_hash(),
@@ -189,6 +208,8 @@ def analyze(spec: MechanismSpec | dict | str, seq_len: int | None = None, head_d
         key_window=window,
         groups=-(-n // g),
         cost=_cost(spec, n, low, high, window, head_dim),
+        local_left=left,
+        local_right=right,
     )
 
 
@@ -261,18 +282,24 @@ def _saturation_proven(spec: MechanismSpec, rows: np.ndarray, deltas: np.ndarray
     m = spec.map
     if isinstance(m, IdentityMap):
         return False
+    left, right = spec.local_bounds
+    # the farthest offsets any longer window scores (the local window's bounds, causal's 0, or ±_FAR); a side
+    # that this window already reaches needs no proof
+    lowest, highest = -(right if right is not None else _FAR), left if left is not None else _FAR
+    lowest = None if lowest >= deltas[0] else lowest
+    highest = None if highest <= deltas[-1] else highest
     if isinstance(m, ExpressionMap):
-        return _prove_expression_saturation(m, low, high, int(rows[0]), int(rows[-1]), spec.causal)
+        return _prove_expression_saturation(m, low, high, int(rows[0]), int(rows[-1]), lowest, highest)
     # every other kind is monotone in δ on each side, so it is constant beyond once it reached its limit row
-    far = m.row_ids(np.array([-_FAR, _FAR]), 2 * _FAR)
-    below_ok = spec.causal or int(far[0]) == int(rows[0])
-    return below_ok and int(far[1]) == int(rows[-1])
+    below_ok = lowest is None or int(m.row_ids(np.array([lowest]), 2 * _FAR)[0]) == int(rows[0])
+    return below_ok and (highest is None or int(m.row_ids(np.array([highest]), 2 * _FAR)[0]) == int(rows[-1]))
 
 
 def _prove_expression_saturation(
-    m: ExpressionMap, low: int, high: int, row_low: int, row_high: int, causal: bool
+    m: ExpressionMap, low: int, high: int, row_low: int, row_high: int, lowest: int | None, highest: int | None
 ) -> bool:
-    """expr(δ) == row_high for every δ in [high, _FAR] and == row_low for every δ in [−_FAR, low], by interval
+    """expr(δ) == row_high for every δ in [high, highest] and == row_low for every δ in [lowest, low] (None: a side
+    needing no proof), by interval
     arithmetic over the expression's tree (`Expression.bounds`): sound, deterministic and linear in its size, where
     a symbolic proof (sympy's simplify) took minutes on small nested floors."""
     sign = -1 if m.offset == "key_minus_query" else 1  # the expression sees sign·δ
@@ -281,7 +308,8 @@ def _prove_expression_saturation(
         lo, hi = m.expression.bounds(min(sign * first, sign * last), max(sign * first, sign * last))
         return lo == hi == row
 
-    return constant_over(high, _FAR, row_high) and (causal or constant_over(-_FAR, low, row_low))
+    above = highest is None or constant_over(high, highest, row_high)
+    return above and (lowest is None or constant_over(lowest, low, row_low))
 
 
 def canonical_length(spec: MechanismSpec) -> int:
@@ -307,7 +335,10 @@ def canonical_length(spec: MechanismSpec) -> int:
 
 
 def _window(spec: MechanismSpec, n: int) -> tuple[np.ndarray, np.ndarray]:
-    deltas = np.arange(-(n - 1), n)
+    """The offsets δ ∈ [−(N−1), N−1] that N tokens may score, clipped to the spec's local window (causal keeps
+    δ < 0, which _saturation drops), and their rows."""
+    left, right = (spec.window.left, spec.window.right) if spec.window is not None else (None, None)
+    deltas = np.arange(-(n - 1 if right is None else min(right, n - 1)), (n if left is None else min(left, n - 1) + 1))
     return deltas, np.asarray(spec.map.row_ids(deltas, n), dtype=np.int64)
 
 
@@ -320,6 +351,11 @@ def _cost(spec: MechanismSpec, n: int, low: int, high: int, window: int, head_di
     dmin = i0 - (j0 + tile_n - 1)
     dmax = i0 + tile_m - 1 - j0
     live = dmax >= 0 if spec.causal else np.ones_like(dmax, dtype=bool)
+    left, right = spec.local_bounds
+    if left is not None:  # tiles wholly outside the local window are skipped
+        live &= dmin <= left
+    if right is not None:
+        live &= dmax >= -right
     band = live & (dmin < high) & (dmax > low)
     return {
         "head_dim": head_dim,

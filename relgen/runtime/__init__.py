@@ -6,6 +6,7 @@ the stored projections' precision; `surface` is the one module generated code im
 
 Importing this package is light: the runtime (and triton) load on first use of `compile_mechanism`."""
 
+import importlib
 from typing import Any
 
 __all__ = ["Mechanism", "compile_mechanism"]
@@ -16,4 +17,10 @@ def __getattr__(name: str) -> Any:
         from relgen.runtime import mechanism
 
         return getattr(mechanism, name)
+    if name.isidentifier() and not name.startswith("_"):
+        try:  # relgen.runtime.<module> as an attribute, as after an import of it
+            return importlib.import_module(f"relgen.runtime.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"relgen.runtime.{name}":
+                raise
     raise AttributeError(f"module 'relgen.runtime' has no attribute {name!r}")

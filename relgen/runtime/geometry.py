@@ -42,6 +42,9 @@ class PlanInfo:
     valid_up_to: int | None
     projections: str = "by_offset"  # "by_row": stored per table row, read through β (ablation no_bucket_copies)
     relations: str = "projected"  # "in_tile": products formed per band tile from Ã (ablation no_projections)
+    # the spec's local window: keys with δ ∈ [−local_right, local_left] only (None: that side unbounded)
+    local_left: int | None = None
+    local_right: int | None = None
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -52,13 +55,27 @@ class PlanInfo:
     def copies_are_rows(self) -> bool:
         """β(s) = s with C = R: the expanded tables are the tables themselves (no gather)."""
         beta = self.copy_map
-        return beta == "identity" or (not isinstance(beta, str) and tuple(beta) == tuple(range(self.rows)))
+        if beta == "identity":
+            return not self.windowed_identity
+        return not isinstance(beta, str) and tuple(beta) == tuple(range(self.rows))
+
+    @property
+    def windowed_identity(self) -> bool:
+        """An identity map under a local window: only the window's offsets are expanded (C = their count)."""
+        return self.length_dependent and (self.local_left is not None or self.local_right is not None)
 
     def rows_at(self, length: int) -> int:
         return 2 * length - 1 if self.length_dependent else self.rows
 
     def bounds_at(self, length: int) -> tuple[int, int]:
-        return (-(length - 1), length - 1) if self.length_dependent else (self.low, self.high)
+        if not self.length_dependent:
+            return self.low, self.high
+        low, high = -(length - 1), length - 1
+        if self.windowed_identity:  # the analyzer's clipping (relgen.plan.analyze._window), at this length
+            right = 0 if self.causal else self.local_right
+            low = low if right is None else max(low, -right)
+            high = high if self.local_left is None else min(high, self.local_left)
+        return low, high
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -252,14 +269,21 @@ class Geometry:
         if self.plan.copies_are_rows:
             return None
         beta = self.plan.copy_map
-        return list(range(self.c - 1, -1, -1)) if beta == "reversed" else list(beta)
+        if beta in ("identity", "reversed"):  # row δ + L − 1 (reversed: −δ + L − 1) of column s, δ = s + low
+            base = (self.rows - 1) // 2
+            sign = -1 if beta == "reversed" else 1
+            return [base + sign * (s + self.low) for s in range(self.c)]
+        return list(beta)
 
     @property
     def fold(self) -> Any:
         if self.plan.path == "atomic":
             return None
-        if self.plan.copy_map == "reversed":
+        if self.plan.copy_map == "reversed" and not self.plan.windowed_identity:
             return tuple((self.c - 1 - r, 1) for r in range(self.rows))
+        if self.plan.windowed_identity:
+            column = {row: s for s, row in enumerate(self.copy_beta)}  # one column per row; the others read 0
+            return tuple((column[r], 1) if r in column else (0, 0) for r in range(self.rows))
         return self.plan.fold
 
     def table_head_stride(self, table: torch.Tensor | None) -> int:
@@ -343,9 +367,9 @@ class Geometry:
         )
 
     def _device_constant(self, name: str, dtype: torch.dtype, device: torch.device, values) -> torch.Tensor:
-        """A small index tensor of the plan, built once per (name, dtype, C, device) and reused by every later
-        call (C varies with the length only for identity maps)."""
-        key = (name, dtype, self.c, str(device))
+        """A small index tensor of the plan, built once per (name, dtype, C, R, L, device) and reused by every later
+        call (they vary with the length only for identity maps)."""
+        key = (name, dtype, self.c, self.rows, self.low, str(device))
         table = self.plan.constants
         if key not in table:
             table[key] = _outside_graph_pools(lambda: torch.tensor(values(), dtype=dtype, device=device))

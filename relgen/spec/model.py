@@ -31,6 +31,7 @@ from relgen.spec.limits import (
     MAX_DESCRIPTION_LENGTH,
     MAX_NAME_LENGTH,
     MAX_NUMBER_LENGTH,
+    MAX_SEQ_LEN,
     MAX_SPEC_BYTES,
     MAX_YAML_DEPTH,
     MAX_YAML_NODES,
@@ -71,6 +72,16 @@ class HasTerms:
         return "bias" in self.terms  # type: ignore[attr-defined]
 
 
+class LocalWindow(BaseModel):
+    """Local attention: query i sees key j when i − left ≤ j ≤ i + right (absolute positions, so with offsets
+    δ = (i + q_offset) − (j + k_offset) ∈ [−right, left]); a side that is null is unbounded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    left: int | None = Field(ge=0, le=MAX_SEQ_LEN, description="keys at most this far before the query (null: all)")
+    right: int | None = Field(ge=0, le=MAX_SEQ_LEN, description="keys at most this far after the query (null: all)")
+
+
 class MechanismSpec(HasTerms, BaseModel):
     """One relative-position mechanism: S_ij = τ(q_i·k_j + q_i·a^Q_φ + k_j·a^K_φ + b_φ) + M_ij."""
 
@@ -90,6 +101,7 @@ class MechanismSpec(HasTerms, BaseModel):
     )
     causal: bool = False
     heads_share_tables: bool = Field(False, description="tables [R, d] and [R] instead of [H, R, d] and [H, R]")
+    window: LocalWindow | None = Field(None, description="local attention: {left, right}, either null (unbounded)")
 
     @field_validator("terms", mode="before")
     @classmethod
@@ -132,8 +144,19 @@ class MechanismSpec(HasTerms, BaseModel):
             raise ValueError(f"head_dim: expected a positive int, got {quoted(head_dim)}")
         return _tau(self.scale if self.scale is not None else DEFAULT_SCALE, d)
 
+    @property
+    def local_bounds(self) -> tuple[int | None, int | None]:
+        """(left, right) of the local window that the spec's masks leave: causal bounds the right side at 0;
+        None for an unbounded side."""
+        left, right = (self.window.left, self.window.right) if self.window is not None else (None, None)
+        if self.causal:
+            right = 0
+        return left, right
+
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # a spec without a window keeps the canonical form (and hash) it had before windows existed
+        data = self.model_dump(mode="json", exclude={"window"} if self.window is None else None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     def spec_hash(self) -> str:
         """A short hash of the canonical spec: the key of the kernel cache and of generated/ headers."""
@@ -394,7 +417,11 @@ def _clean_loc(loc: list[str | int]) -> list[str | int]:
 def _message(error: dict[str, Any], loc: list[str | int], map_kind: str | int | None) -> str:
     kind, value = error["type"], error.get("input")
     if kind == "extra_forbidden":
-        owner = _map_kinds().get(str(map_kind)) if loc[0] == "map" else MechanismSpec
+        owners: dict[str | int, type[BaseModel] | None] = {
+            "map": _map_kinds().get(str(map_kind)),
+            "window": LocalWindow,
+        }
+        owner = owners.get(loc[0], MechanismSpec)
         allowed = f" (allowed: {', '.join(owner.model_fields)})" if owner is not None and len(loc) <= 2 else ""
         return f"unknown key{allowed}"
     if kind == "union_tag_not_found":

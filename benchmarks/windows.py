@@ -1,0 +1,145 @@
+"""Local windows on a GPU: a spec with and without `window: {left, right}`, and plain SDPA (no relative terms, no
+window) as the ceiling, as a Markdown table (or JSON) headed by the date, the commit and the GPU.
+
+    python benchmarks/windows.py [--specs shaw,txl] [--seq-lens 8192,32768] [--left 256] [--right 0] [--json]
+
+fp16, B = 1, H = 12, d = 64 by default. Times are medians over --reps calls measured with CUDA events (after
+--warmup calls): the forward alone (under no_grad) and the forward + backward for a fixed dO. A run that does not
+fit in memory is reported as "OOM" (the spec without a window at 32K on an identity map stores N × N projections).
+The windowed forward should be at least 10× faster than the unwindowed one at 32K for a window of 256: its key
+tiles per query tile shrink from N / BN to about (left + right) / BN + 2.
+
+A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import yaml
+from layouts import DTYPE, commit, tables
+
+import relgen
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def event_ms(run: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median milliseconds of `run` by CUDA events, one pair per call."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timings(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], warmup: int, reps: int) -> dict:
+    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory."""
+    result: dict[str, float | None] = {"fwd_ms": None, "fwd_bwd_ms": None}
+    try:
+        with torch.no_grad():
+            result["fwd_ms"] = event_ms(run, warmup, reps)
+        do = torch.randn_like(run())
+        result["fwd_bwd_ms"] = event_ms(lambda: torch.autograd.grad(run(), leaves, do), warmup, reps)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    torch.cuda.empty_cache()
+    return result
+
+
+def spec_data(name: str) -> dict:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "specs" / f"{name}.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def spec_rows(name: str, n: int, args: argparse.Namespace) -> list[dict]:
+    data = spec_data(name)
+    plain = relgen.load_spec(data)
+    local = relgen.load_spec(
+        {**data, "name": f"{data['name']}_local", "window": {"left": args.left, "right": args.right}}
+    )
+    b, h, d = args.batch, args.heads, args.head_dim
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
+    rows = []
+    for label, spec in (("no window", plain), (f"window [{-args.right}, {args.left}]", local)):
+        fn = relgen.compile_mechanism(spec)
+        t = tables(spec, n, h, d)
+        measured = timings(lambda fn=fn, t=t: fn(q, k, v, **t), [q, k, v], args.warmup, args.reps)
+        rows.append({"spec": plain.name, "n": n, "call": label, **measured})
+    return rows
+
+
+def sdpa_row(n: int, args: argparse.Namespace) -> dict:
+    b, h, d = args.batch, args.heads, args.head_dim
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    measured = timings(lambda: sdpa(q, k, v), [q, k, v], args.warmup, args.reps)
+    return {"spec": "SDPA (no relative terms)", "n": n, "call": "no window", **measured}
+
+
+def shown(ms: float | None) -> str:
+    return f"{ms:.3f}" if ms is not None else "OOM"
+
+
+def speedup(base: float | None, ms: float | None) -> str:
+    return f"{base / ms:.1f}×" if base is not None and ms is not None else "–"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specs", default="shaw,txl")
+    parser.add_argument("--seq-lens", default="8192,32768")
+    parser.add_argument("--left", type=int, default=256)
+    parser.add_argument("--right", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    args = parser.parse_args()
+
+    rows: list[dict] = []
+    for n in (int(x) for x in args.seq_lens.split(",")):
+        for name in args.specs.split(","):
+            rows += spec_rows(name, n, args)
+        rows.append(sdpa_row(n, args))
+    header = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": "float16",
+        "shape": f"B={args.batch} H={args.heads} d={args.head_dim}",
+    }
+    if args.json:
+        print(json.dumps({**header, "rows": rows}, indent=1))
+        return
+    print(", ".join(f"{key} {value}" for key, value in header.items()) + "\n")
+    print("| spec | N | call | fwd ms | fwd+bwd ms | fwd speed-up | fwd+bwd speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    base: dict[tuple[str, int], dict] = {}
+    for row in rows:
+        key = (row["spec"], row["n"])
+        first = base.setdefault(key, row)  # each spec's first row is its call without a window
+        fwd, both = row["fwd_ms"], row["fwd_bwd_ms"]
+        print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {shown(both)} | "
+              f"{speedup(first['fwd_ms'], fwd)} | {speedup(first['fwd_bwd_ms'], both)} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
