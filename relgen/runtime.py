@@ -52,7 +52,7 @@ from relgen.config import (
     select_config,
     table_chunks,
 )
-from relgen.custom_ops import Passes
+from relgen.custom_ops import Passes, compiled_packing
 from relgen.custom_ops import register as register_custom_ops
 from relgen.descriptors import kv_descriptors
 from relgen.geometry import ROW_ALIGN, Geometry, PlanInfo
@@ -84,6 +84,7 @@ __all__ = [
     "cdiv",
     "column_splits",
     "compile_mechanism",
+    "compiled_packing",
     "default_config",
     "finish",
     "heads_major",
@@ -235,7 +236,7 @@ class Mechanism:
                     f"ablation no_projections: {plan.spec_name} {why}; in-tile relation products cover query and "
                     "key terms without a bias, on the offset path"
                 )
-            if options.get("cu_seqlens") is not None:
+            if any(options.get(name) is not None for name in ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")):
                 raise NotImplementedError("ablation no_projections: packed sequences (cu_seqlens) are not supported")
             return self._variant(module, relations="in_tile"), options
         if ablation == "no_bucket_copies":  # projections per table row, read through β by every score
