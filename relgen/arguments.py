@@ -239,7 +239,10 @@ def check_call(
     q: [B, H, Nq, d], k, v: [B, H_kv, Nk, d] (layout 'bhnd'), or [B, Nq, H, d] and [B, Nk, H_kv, d] ('bnhd'), H a
     multiple of H_kv (grouped-query attention); or packed q: [total_q, H, d], k, v: [total_k, H_kv, d] (any layout)
     with cu_seqlens_q, cu_seqlens_k (int32 [S+1]) and max_seqlen_q, max_seqlen_k, or cu_seqlens and max_seqlen
-    for both (check_packing). The Call holds q, k, v as [B, H, N, d] views. Tables (per query head): aq, ak
+    for both (check_packing). A packed sequence's queries end where its keys end (FlashAttention's bottom-right
+    alignment): with Lq queries and Lk keys, query i sits at q_offset + Lk − Lq + i and key j at k_offset + j,
+    causal or not; causal keeps the keys at or before each query's position. The Call holds q, k, v as
+    [B, H, N, d] views. Tables (per query head): aq, ak
     [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines it (identity: 2L − 1 with
     L = max(q_offset + Nq, k_offset + Nk), or packed_length when packed). Absolute positions are at most
     MAX_POSITION."""
