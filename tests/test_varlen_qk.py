@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from kernel_cases import Inputs, assert_all_close, compare
 
 import relgen
-from relgen import reference
+from relgen import arguments, reference
 from relgen.runtime import compiled_packing
 from relgen.testing import check_close, dropout_keep_mask
+from relgen.verify import gradient_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,6 +147,34 @@ def test_dropout_lse_and_layouts():
         ok, message = check_close(got, want, torch.float32)
         assert ok, f"{name}: {message}"
     assert lse.shape == (sum(lq), 2) and torch.isneginf(lse[4:7]).all()  # the second sequence has no keys
+
+
+def test_unproven_map_is_planned_for_the_offsets_packed_calls_reach():
+    """A map whose saturation the analyzer cannot prove is re-planned for 1 + the largest |δ| a call reaches; a
+    packed sequence with 2 queries and 70 keys reaches δ = 69 (its last query, at position 69, meets key 0)."""
+    spec = load(
+        {
+            "name": "unproven_varlen",
+            "terms": ["bias"],
+            "map": {"kind": "expression", "expr": "floor(Max(Min(delta, 5), -5) / 2) + 5 + delta - delta", "rows": 11},
+        }
+    )
+    fn = relgen.compile_mechanism(spec)
+    lq, lk = [2, 3], [70, 4]
+    inputs = packed_inputs(spec, lq, lk, seed=2)
+    options = packing(lq, lk)
+    assert fn.module.PLAN.valid_up_to < 70
+    assert arguments.reach(fn.module.PLAN, inputs.q, inputs.k, inputs.v, options) == 70
+    assert_all_close(compare(spec, inputs, **options), "unproven map, Lk = 70")
+
+
+def test_offset_path_backward_is_deterministic():
+    """Two identical backward passes of a packed call with separate packing give the same bits."""
+    spec = load("shaw")
+    lq, lk = [5, 1, 6], [3, 7, 6]
+    inputs = packed_inputs(spec, lq, lk, h=2, h_kv=1, seed=6)
+    first, second = gradient_runs(spec, inputs, **packing(lq, lk))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_equal_packing_through_either_name_is_the_same_call():
