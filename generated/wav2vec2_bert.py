@@ -94,16 +94,19 @@ def _window_base(SIGN: tl.constexpr, DOFF, nk, LOW, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _sequence(bh, H, CU, Nq, Nk, TOTAL, VARLEN: tl.constexpr):
-    """Where the sequence of program (batch·head) `bh` lives: its first token, its Nq and Nk, and the rows of its
-    first query and first key in the internal buffers. Packed sequences take lengths from cu_seqlens."""
+def _sequence(bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN: tl.constexpr):
+    """Where the sequence of program (batch·head) `bh` lives: its first query and first key token, its Nq and Nk,
+    the rows of its first query and first key in the internal buffers, and its offset between query and key
+    positions DOFF. Packed sequences take starts and lengths from CU (queries) and CU_K (keys), and their queries
+    end where their keys end: query i meets key j at δ = i + DOFF0 + Nk − Nq − j (FlashAttention's alignment)."""
     if VARLEN:
-        tok0 = tl.load(CU + bh // H)
-        n = tl.load(CU + bh // H + 1) - tok0
-        row0 = (bh % H) * TOTAL + tok0
-        return tok0, n, n, row0, row0
+        tok_q = tl.load(CU + bh // H)
+        tok_k = tl.load(CU_K + bh // H)
+        nq = tl.load(CU + bh // H + 1) - tok_q
+        nk = tl.load(CU_K + bh // H + 1) - tok_k
+        return tok_q, tok_k, nq, nk, (bh % H) * TOTAL + tok_q, (bh % H) * TOTAL_K + tok_k, DOFF0 + nk - nq
     else:
-        return bh * 0, Nq, Nk, bh * Nq, bh * Nk
+        return bh * 0, bh * 0, Nq, Nk, bh * Nq, bh * Nk, DOFF0
 
 
 @triton.jit
@@ -481,6 +484,7 @@ def _project_kernel(
     Z,
     ENDS,
     CU,
+    CU_K,
     sx_b,
     sx_h,
     sx_n,
@@ -490,7 +494,8 @@ def _project_kernel(
     Nq,
     Nk,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     C,
     W,
@@ -513,9 +518,10 @@ def _project_kernel(
     ZS = ZS_A * ROW_ALIGN
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
-    tok0, nq, nk, row_q, row_k = _sequence(pid_bh, H, CU, Nq, Nk, TOTAL, VARLEN)
+    tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(pid_bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN)
     Ntok = nq if SIGN == 1 else nk
     row0 = row_q if SIGN == 1 else row_k
+    tok0 = tok_q if SIGN == 1 else tok_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
@@ -691,6 +697,7 @@ def _attn_fwd_kernel(
     KPM,
     COPY_MAP,
     CU,
+    CU_K,
     sq_b,
     sq_h,
     sq_n,
@@ -711,7 +718,8 @@ def _attn_fwd_kernel(
     Nq_all,
     Nk_all,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     HIGH,
     C,
@@ -749,13 +757,13 @@ def _attn_fwd_kernel(
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
     b, h = bh // H, bh % H
-    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    tok_q, tok_k, Nq, Nk, row_q, row_k, DOFF = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    tok0 = tok0.to(tl.int64)
+    tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :],
+        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
         offs_m[:, None] < Nq,
         offs_d,
         HEAD_DIM,
@@ -768,8 +776,8 @@ def _attn_fwd_kernel(
     ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
+    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
     # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
     # launch, and the band tiles below gather them back from cache instead of HBM
     _project_columns(
@@ -951,7 +959,7 @@ def _attn_fwd_kernel(
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     row_ok = offs_m < Nq
     tl.store(
-        O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :],
+        O + b * so_b + h * so_h + (tok_q + offs_m[:, None]) * so_n + offs_d[None, :],
         out.to(O.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -985,7 +993,7 @@ def _bwd_preprocess_kernel(
     """D_i = rowsum(dO ∘ O)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    tok0, Nq, _, row_q, _ = _sequence(bh, H, CU, Nq_all, Nq_all, TOTAL, VARLEN)
+    tok0, _, Nq, _, row_q, _, _ = _sequence(bh, H, CU, CU, Nq_all, Nq_all, TOTAL, TOTAL, 0, VARLEN)
     tok0 = tok0.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1171,6 +1179,7 @@ def _attn_bwd_q_kernel(
     DZQ,
     COPY_MAP,
     CU,
+    CU_K,
     sq_b,
     sq_h,
     sq_n,
@@ -1194,7 +1203,8 @@ def _attn_bwd_q_kernel(
     Nq_all,
     Nk_all,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     HIGH,
     C,
@@ -1225,21 +1235,21 @@ def _attn_bwd_q_kernel(
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
     b, h = bh // H, bh % H
-    tok0, Nq, Nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
-    tok0 = tok0.to(tl.int64)
+    tok_q, tok_k, Nq, Nk, row_q, row_k, DOFF = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
+    tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     i0 = pid_m * BLOCK_M
     offs_m = i0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Nq
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok0 + offs_m[:, None]) * sq_n + offs_d[None, :],
+        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
         row_ok[:, None],
         offs_d,
         HEAD_DIM,
         BLOCK_D,
     )
     do = _load_rows(
-        DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :],
+        DO + b * sdo_b + h * sdo_h + (tok_q + offs_m[:, None]) * sdo_n + offs_d[None, :],
         row_ok[:, None],
         offs_d,
         HEAD_DIM,
@@ -1256,8 +1266,8 @@ def _attn_bwd_q_kernel(
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
+    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -1424,7 +1434,7 @@ def _attn_bwd_q_kernel(
         PREC,
     )
     tl.store(
-        DQ + b * sdq_b + h * sdq_h + (tok0 + offs_m[:, None]) * sdq_n + offs_d[None, :],
+        DQ + b * sdq_b + h * sdq_h + (tok_q + offs_m[:, None]) * sdq_n + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -1613,6 +1623,7 @@ def _attn_bwd_kv_kernel(
     DZK,
     COPY_MAP,
     CU,
+    CU_K,
     sq_b,
     sq_h,
     sq_n,
@@ -1639,7 +1650,8 @@ def _attn_bwd_kv_kernel(
     Nq_all,
     Nk_all,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     HIGH,
     C,
@@ -1676,14 +1688,14 @@ def _attn_bwd_kv_kernel(
     H_KV = H // KV_GROUP
     b, hk = bkv // H_KV, bkv % H_KV
     bh_first = b * H + hk * KV_GROUP  # the group's first query head
-    tok0, Nq, Nk, _, _ = _sequence(bh_first, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
-    tok0 = tok0.to(tl.int64)
+    tok_q, tok_k, Nq, Nk, _, _, DOFF = _sequence(bh_first, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
+    tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     j0 = pid_n * BLOCK_N
     offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < Nk
-    K_bh = K + b * sk_b + hk * sk_h + tok0 * sk_n
-    V_bh = V + b * sv_b + hk * sv_h + tok0 * sv_n
+    K_bh = K + b * sk_b + hk * sk_h + tok_k * sk_n
+    V_bh = V + b * sv_b + hk * sv_h + tok_k * sv_n
     kv_ok = _d_mask(col_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
@@ -1698,7 +1710,7 @@ def _attn_bwd_kv_kernel(
     for g in range(0, KV_GROUP):
         bh = bh_first + g
         h = bh % H
-        _, _, _, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
         ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
         ZQE_b = ZQE + row_q.to(tl.int64) * 2
         zk_bh = ZK + row_k.to(tl.int64) * ZSK
@@ -1706,8 +1718,8 @@ def _attn_bwd_kv_kernel(
         bias_h = BIAS + h * sbias_h
         col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
-        Q_bh = Q + b * sq_b + h * sq_h + tok0 * sq_n
-        DO_bh = DO + b * sdo_b + h * sdo_h + tok0 * sdo_n
+        Q_bh = Q + b * sq_b + h * sq_h + tok_q * sq_n
+        DO_bh = DO + b * sdo_b + h * sdo_h + tok_q * sdo_n
         LSE_bh = LSE + row_q.to(tl.int64)
         DELTA_bh = DELTA + row_q.to(tl.int64)
         hi_sum = tl.zeros([BLOCK_N], tl.float32)
@@ -1889,12 +1901,12 @@ def _attn_bwd_kv_kernel(
             KEY_MAJOR,
         )
     tl.store(
-        DK + b * sdk_b + hk * sdk_h + (tok0 + offs_n[:, None]) * sdk_n + offs_d[None, :],
+        DK + b * sdk_b + hk * sdk_h + (tok_k + offs_n[:, None]) * sdk_n + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=kv_ok,
     )
     tl.store(
-        DV + b * sdv_b + hk * sdv_h + (tok0 + offs_n[:, None]) * sdv_n + offs_d[None, :],
+        DV + b * sdv_b + hk * sdv_h + (tok_k + offs_n[:, None]) * sdv_n + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
         mask=kv_ok,
     )
@@ -1910,6 +1922,7 @@ def _reduce_tokens_kernel(
     TABLE,
     DX,
     CU,
+    CU_K,
     sdx_b,
     sdx_h,
     sdx_n,
@@ -1918,7 +1931,8 @@ def _reduce_tokens_kernel(
     Nq_all,
     Nk_all,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     C,
     W,
@@ -1943,8 +1957,9 @@ def _reduce_tokens_kernel(
     H_X = H // X_GROUP
     b, hx = bx // H_X, bx % H_X
     bh_first = b * H + hx * X_GROUP  # the group's first query head
-    tok0, nq, nk, _, _ = _sequence(bh_first, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+    tok_q, tok_k, nq, nk, _, _, DOFF = _sequence(bh_first, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
     Ntok = nq if SIGN == 1 else nk
+    tok0 = tok_q if SIGN == 1 else tok_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
@@ -1954,7 +1969,9 @@ def _reduce_tokens_kernel(
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
     for g in range(0, X_GROUP):
         h = hx * X_GROUP + g
-        _, _, _, row_q, row_k = _sequence(bh_first + g, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        _, _, _, _, row_q, row_k, _ = _sequence(
+            bh_first + g, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN
+        )
         row0 = row_q if SIGN == 1 else row_k
         dz_rows = DZ + (row0.to(tl.int64) + offs_t) * WDZ
         # up to the padded stride WDZ (zeroed like every column no pair reaches), so that the dZ̃ loads vectorize
@@ -1981,6 +1998,7 @@ def _reduce_table_kernel(
     DT_PART,
     DB_PART,
     CU,
+    CU_K,
     sx_b,
     sx_h,
     sx_n,
@@ -1988,7 +2006,8 @@ def _reduce_table_kernel(
     Nq_all,
     Nk_all,
     TOTAL,
-    DOFF,
+    TOTAL_K,
+    DOFF0,
     LOW,
     C,
     W,
@@ -2027,9 +2046,12 @@ def _reduce_table_kernel(
         else:
             bh = item * H + pid_h
         b, h = bh // H, bh % H
-        tok0, nq, nk, row_q, row_k = _sequence(bh, H, CU, Nq_all, Nk_all, TOTAL, VARLEN)
+        tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(
+            bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN
+        )
         Ntok = nq if SIGN == 1 else nk
         row0 = row_q if SIGN == 1 else row_k
+        tok0 = tok_q if SIGN == 1 else tok_k
         win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
         dz_bh = DZ + row0.to(tl.int64) * WDZ
         X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
@@ -2141,7 +2163,7 @@ def _tiles(t):
 
 def _sizes(geo):
     """Scalars every kernel reads to locate a sequence (packed or not)."""
-    return geo.heads, geo.nq, geo.nk, geo.total
+    return geo.heads, geo.nq, geo.nk, geo.total, geo.total_k
 
 
 def _projection_buffers(geo, query_side, device):
@@ -2167,7 +2189,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         bias if bias is not None else table,
         z,
         ends,
-        geo.cu_seqlens_or(z),
+        *geo.cu_seqlens_or(z),
         *_strides(x),
         geo.table_head_stride(table),
         geo.table_head_stride(bias),
@@ -2236,7 +2258,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         _or(bias_vec, dummy),
         _or(kpm, dummy),
         dummy,
-        geo.cu_seqlens_or(dummy),
+        *geo.cu_seqlens_or(dummy),
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -2283,7 +2305,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
             dz,
             table,
             dx,
-            cu,
+            *cu,
             *_strides(dx),
             geo.table_head_stride(table),
             *_sizes(geo),
@@ -2317,7 +2339,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
         x,
         dt_part,
         db_part,
-        cu,
+        *cu,
         *_strides(x),
         *_sizes(geo),
         red.doff,
@@ -2397,7 +2419,7 @@ def _backward(do, saved, geo, cfg):
         o,
         do,
         delta,
-        cu,
+        cu[0],
         *_strides(o),
         *_strides(do),
         geo.heads,
@@ -2441,7 +2463,7 @@ def _backward(do, saved, geo, cfg):
         dq,
         dzq,
         copy_map,
-        cu,
+        *cu,
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -2483,7 +2505,7 @@ def _backward(do, saved, geo, cfg):
         dv,
         dzk,
         copy_map,
-        cu,
+        *cu,
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -2576,6 +2598,10 @@ def attention(
     key_padding_mask=None,
     cu_seqlens=None,
     max_seqlen=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
     q_offset=0,
     k_offset=0,
     dropout_p=0.0,
@@ -2585,8 +2611,17 @@ def attention(
     return_lse=False,
     _ablation=None,
 ):
-    """wav2vec2_bert: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.mechanism.prepare_call."""
+    """wav2vec2_bert: softmax(τ(q·k + q·a^Q_φ) + mask)·v.  Arguments: relgen.runtime.arguments.prepare_call."""
     dropout_seed = _rt.seed_snapshot(dropout_seed)
+    packing = dict(
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+    )
+    packed = any(value is not None for value in packing.values())
     if torch.compiler.is_compiling():  # the kernels' launches cannot be traced: custom ops (relgen.runtime.custom_ops)
         if _ablation is not None:
             raise NotImplementedError(f"ablation {_ablation}: not supported under torch.compile (eager only)")
@@ -2598,8 +2633,7 @@ def attention(
             ak,
             bias,
             key_padding_mask=key_padding_mask,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
+            **_rt.compiled_packing(packing),
             q_offset=q_offset,
             k_offset=k_offset,
             dropout_p=dropout_p,
@@ -2608,7 +2642,7 @@ def attention(
             layout=layout,
             keep_projections=not recompute_projections,
         )
-        return _rt.finish(o, lse2, return_lse, packed=cu_seqlens is not None, layout=layout)
+        return _rt.finish(o, lse2, return_lse, packed=packed, layout=layout)
     call = _rt.prepare_call(
         PLAN,
         q,
@@ -2618,8 +2652,7 @@ def attention(
         ak,
         bias,
         key_padding_mask=key_padding_mask,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
+        **packing,
         q_offset=q_offset,
         k_offset=k_offset,
         dropout_p=dropout_p,

@@ -16,8 +16,11 @@ Conventions shared with the kernels:
   LSE = −inf and zero gradients, never NaN;
 * dropout is described by an explicit ``keep_mask`` (True = kept): P·keep/(1 − p), after the softmax; the LSE
   is that of the softmax before dropout;
-* packed sequences (``cu_seqlens``): each sequence attends only within itself, positions restart at 0, and
-  identity maps use L = ``max_seqlen`` (other maps do not depend on L);
+* packed sequences (``cu_seqlens_q``, ``cu_seqlens_k``; ``cu_seqlens`` for both): each sequence attends only
+  within itself, and its queries end where its keys end (FlashAttention's bottom-right alignment): query i of a
+  sequence with Lq queries and Lk keys sits at position q_offset + Lk − Lq + i, key j at k_offset + j, causal or
+  not; identity maps use L = max(q_offset, k_offset) + max(max_seqlen_q, max_seqlen_k) (other maps do not depend
+  on L);
 * grouped-query attention: k and v may have H_kv heads, H a multiple of H_kv; query head h reads key/value head
   h // (H / H_kv), here by repeating each key/value head H / H_kv times (``repeat_interleave``).
 """
@@ -89,6 +92,10 @@ def attention(
     dropout_p: float = 0.0,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     return_lse: bool = False,
     length: int | None = None,
     layout: str = "bhnd",
@@ -98,9 +105,10 @@ def attention(
     Dense layout: q [B, H, Nq, d], k [B, H_kv, Nk, d], v [B, H_kv, Nk, dv] → O [B, H, Nq, dv] (LSE [B, H, Nq]);
     with ``layout="bnhd"`` q [B, Nq, H, d], k, v [B, Nk, H_kv, d] → O [B, Nq, H, dv] (LSE still [B, H, Nq]).
     H_kv divides H (grouped-query attention; H_kv = H: ordinary multi-head attention).
-    Packed layout (``cu_seqlens`` int32 [S + 1], ``max_seqlen``): q [total, H, d], k, v [total, H_kv, d] → O
-    [total, H, dv] (LSE [total, H]), whatever ``layout``; a packed ``keep_mask`` is [S, H, max_seqlen,
-    max_seqlen], sequence s using its top-left [n_s, n_s] block.
+    Packed layout (``cu_seqlens_q``, ``cu_seqlens_k`` int32 [S + 1], ``max_seqlen_q``, ``max_seqlen_k``; or
+    ``cu_seqlens``, ``max_seqlen`` for both): q [total_q, H, d], k, v [total_k, H_kv, d] → O [total_q, H, dv]
+    (LSE [total_q, H]), whatever ``layout``; sequence s's query i sits at q_offset + Lk − Lq + i (bottom-right);
+    a packed ``keep_mask`` is [S, H, max_seqlen_q, max_seqlen_k], sequence s using its top-left [Lq, Lk] block.
 
     Tables: ``aq``/``ak`` [H, R, d] and ``bias`` [H, R] ([R, d] and [R] when ``spec.heads_share_tables``), with
     R = ``spec.map.num_rows(L)``. Only the spec's terms are read (query → aq, key → ak, bias → bias); tables of
@@ -110,8 +118,9 @@ def attention(
     ``spec.causal`` masks keys with j + k_offset > i + q_offset; ``spec.window`` those whose j + k_offset lies
     outside [i + q_offset − left, i + q_offset + right]. ``keep_mask`` [B, H, Nq, Nk] bool (True = kept) with
     ``dropout_p`` applies P·keep/(1 − dropout_p). ``length``: the identity map's L (dense default
-    max(q_offset + Nq, k_offset + Nk); packed default ``max_seqlen``). ``return_lse``: also return the
-    natural-log log-sum-exp of the scaled, masked scores (−inf for rows without keys).
+    max(q_offset + Nq, k_offset + Nk); packed default max(q_offset, k_offset) + max(max_seqlen_q, max_seqlen_k)).
+    ``return_lse``: also return the natural-log log-sum-exp of the scaled, masked scores (−inf for rows without
+    keys).
     """
     spec = load_spec(spec)
     if layout not in LAYOUTS:
@@ -121,7 +130,18 @@ def attention(
     if dropout_p > 0 and keep_mask is None:
         raise ValueError("keep_mask is required when dropout_p > 0 (the reference draws no random numbers)")
     tables = (aq, ak, bias)
-    if cu_seqlens is None:
+    separate = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if any(x is not None for x in separate):
+        if cu_seqlens is not None or max_seqlen is not None:
+            raise ValueError("cu_seqlens/max_seqlen cannot be combined with cu_seqlens_q/cu_seqlens_k/max_seqlen_*")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k are both required for separate query and key packing")
+        if key_padding_mask is not None:
+            raise ValueError("key_padding_mask cannot be combined with cu_seqlens_q (packing has no padding)")
+        sides = ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k))
+        masks = (keep_mask, float(dropout_p))
+        out, lse = _packed(spec, q, k, v, tables, scale, masks, sides, q_offset, k_offset, length)
+    elif cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only used with cu_seqlens")
         masks = (key_padding_mask, keep_mask, float(dropout_p))
@@ -133,14 +153,16 @@ def attention(
     else:
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask cannot be combined with cu_seqlens (packing has no padding)")
-        if q_offset or k_offset:
-            raise ValueError("q_offset/k_offset cannot be combined with cu_seqlens (positions restart per sequence)")
-        out, lse = _packed(spec, q, k, v, tables, scale, keep_mask, float(dropout_p), cu_seqlens, max_seqlen, length)
+        if max_seqlen is None:
+            raise ValueError("max_seqlen is required with cu_seqlens")
+        sides = ((cu_seqlens, max_seqlen), (cu_seqlens, max_seqlen))
+        masks = (keep_mask, float(dropout_p))
+        out, lse = _packed(spec, q, k, v, tables, scale, masks, sides, q_offset, k_offset, length)
     return (out, lse) if return_lse else out
 
 
-def _packed(spec, q, k, v, tables, scale, keep_mask, dropout_p, cu_seqlens, max_seqlen, length):
-    """Each sequence [cu_seqlens[s], cu_seqlens[s+1]) runs through the dense path on its own."""
+def _bounds(cu_seqlens, max_seqlen, tokens: int) -> list[int]:
+    """The sequence starts of one side, checked against its token count and max_seqlen."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-D integer tensor [S + 1]")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -149,34 +171,59 @@ def _packed(spec, q, k, v, tables, scale, keep_mask, dropout_p, cu_seqlens, max_
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     if bounds[0] != 0 or any(n < 0 for n in lengths):
         raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    if bounds[-1] != tokens:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the tensor has {tokens} tokens")
     if max_seqlen is None:
         raise ValueError("max_seqlen is required with cu_seqlens")
     if max_seqlen < max(lengths):
         raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence ({max(lengths)})")
+    return bounds
+
+
+def _packed(spec, q, k, v, tables, scale, masks, sides, q_offset, k_offset, length):
+    """Each sequence (queries [cu_q[s], cu_q[s+1]), keys [cu_k[s], cu_k[s+1])) runs through the dense path on its
+    own, its queries shifted to end where its keys end."""
+    keep_mask, dropout_p = masks
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be [total, H, d] with cu_seqlens, got {_shape(x)}")
-        if x.shape[0] != bounds[-1]:
-            raise ValueError(f"{name} has {x.shape[0]} tokens but cu_seqlens[-1] = {bounds[-1]}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} tokens but k has {k.shape[0]}")
+    (cu_q, max_q), (cu_k, max_k) = sides
+    bounds_q, bounds_k = _bounds(cu_q, max_q, q.shape[0]), _bounds(cu_k, max_k, k.shape[0])
+    if len(bounds_q) != len(bounds_k):
+        raise ValueError(f"cu_seqlens_q has {len(bounds_q)} entries but cu_seqlens_k has {len(bounds_k)}")
     if k.shape[2] != q.shape[2] or v.shape[1] != k.shape[1] or (q.shape[1] % k.shape[1] if k.shape[1] else q.shape[1]):
         raise ValueError(
             f"k {list(k.shape)} and v {list(v.shape)} must match q {list(q.shape)} in d and have H_kv heads dividing H"
         )
-    num_seqs, heads = len(lengths), q.shape[1]
-    if keep_mask is not None and tuple(keep_mask.shape) != (num_seqs, heads, max_seqlen, max_seqlen):
+    num_seqs, heads = len(bounds_q) - 1, q.shape[1]
+    if keep_mask is not None and tuple(keep_mask.shape) != (num_seqs, heads, max_q, max_k):
         raise ValueError(
-            f"keep_mask must be [S, H, max_seqlen, max_seqlen] = {[num_seqs, heads, max_seqlen, max_seqlen]} "
-            f"with cu_seqlens, got {_shape(keep_mask)}"
+            f"keep_mask must be [S, H, max_seqlen_q, max_seqlen_k] = {[num_seqs, heads, max_q, max_k]} "
+            f"with packed sequences, got {_shape(keep_mask)}"
         )
-    length = max_seqlen if length is None else length
+    if length is None:
+        length = max(q_offset, k_offset) + max(max_q, max_k)
     outs, lses = [], []
-    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
-        n = b - a
-        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, d]
-        keep = None if keep_mask is None else keep_mask[s : s + 1, :, :n, :n]
-        out, lse = _dense(spec, qs, ks, vs, tables, scale, (None, keep, dropout_p), 0, 0, length)
-        outs.append(out[0].transpose(0, 1))  # [n, H, dv]
-        lses.append(lse[0].transpose(0, 1))  # [n, H]
+    for s in range(num_seqs):
+        (qa, qb), (ka, kb) = bounds_q[s : s + 2], bounds_k[s : s + 2]
+        nq, nk = qb - qa, kb - ka
+        qs = q[qa:qb].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, d]
+        ks, vs = (x[ka:kb].transpose(0, 1).unsqueeze(0) for x in (k, v))
+        if nk == 0:  # no key to attend to: O = 0, LSE = −inf (a softmax over no keys has no maximum to take)
+            outs.append(torch.zeros(nq, heads, v.shape[2], dtype=torch.float64, device=q.device))
+            lses.append(torch.full((nq, heads), float("-inf"), dtype=torch.float64, device=q.device))
+            continue
+        keep = None if keep_mask is None else keep_mask[s : s + 1, :, :nq, :nk]
+        # query i at q_offset + Lk − Lq + i: both offsets shifted alike (δ unchanged) so that neither is negative
+        q_pos, k_pos = q_offset + nk - nq, k_offset
+        shift = max(0, -q_pos)
+        out, lse = _dense(
+            spec, qs, ks, vs, tables, scale, (None, keep, dropout_p), q_pos + shift, k_pos + shift, length
+        )
+        outs.append(out[0].transpose(0, 1))  # [Lq, H, dv]
+        lses.append(lse[0].transpose(0, 1))  # [Lq, H]
     return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
 
 

@@ -259,7 +259,7 @@ def test_packed_sequences(name, dropout):
         ({"cu_seqlens": torch.tensor([0, 4, 8], dtype=torch.int32)}, "cu_seqlens"),
         ({"cu_seqlens": torch.tensor([0, 4, 9], dtype=torch.int64)}, "cu_seqlens"),
         ({"max_seqlen": 3}, "max_seqlen"),
-        ({"q_offset": 2}, "q_offset"),
+        ({"max_seqlen": 10}, "max_seqlen"),  # more than the 9 tokens present
     ],
 )
 def test_bad_packed_input(changes, argument):

@@ -30,10 +30,12 @@ SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 8))
 #: and written through their strides
 LAYOUTS = ("bhnd", "bnhd")
 LN2 = 0.6931471805599453
-#: The largest absolute position a call may reach: q_offset + Nq and k_offset + Nk (packed: max_seqlen). The
+#: The largest absolute position a call may reach: q_offset + Nq and k_offset + Nk (packed: packed_length). The
 #: kernels hold offsets δ, window starts and, for identity maps, the 2L − 1 expanded columns in 32-bit integers and
 #: add up to three of them, so 2^29 keeps every such sum exact.
 MAX_POSITION = 1 << 29
+#: a call's packing options: the shorthand for equal query and key packing, then FlashAttention's names
+PACKING_OPTIONS = ("cu_seqlens", "max_seqlen", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 #: Integer dropout seeds lie in [0, SEED_LIMIT): the values a seed tensor's int64 element holds, so that an int and
 #: a tensor with the same value draw the same mask.
 SEED_LIMIT = 1 << 63
@@ -177,7 +179,7 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
 KEPT_CALLS = 32
 _calls_lock = threading.Lock()  # calls from several threads share a plan
 #: options whose presence makes a call unkept: per-call tensors (masks, packing) and per-call seeds
-_UNKEPT_OPTIONS = ("key_padding_mask", "cu_seqlens", "max_seqlen", "dropout_seed")
+_UNKEPT_OPTIONS = ("key_padding_mask", *PACKING_OPTIONS, "dropout_seed")
 
 
 def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
@@ -222,6 +224,10 @@ def check_call(
     key_padding_mask=None,
     cu_seqlens=None,
     max_seqlen=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
     q_offset=0,
     k_offset=0,
     dropout_p=0.0,
@@ -233,18 +239,24 @@ def check_call(
     """Validate a call against the plan; every problem is a ValueError naming the argument.
 
     q: [B, H, Nq, d], k, v: [B, H_kv, Nk, d] (layout 'bhnd'), or [B, Nq, H, d] and [B, Nk, H_kv, d] ('bnhd'), H a
-    multiple of H_kv (grouped-query attention); or packed q: [total, H, d], k, v: [total, H_kv, d] with cu_seqlens
-    (int32 [S+1]) and max_seqlen (any layout). The Call holds q, k, v as [B, H, N, d] views. Tables (per query
-    head): aq, ak [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines it (identity:
-    2L − 1 with L = max(q_offset + Nq, k_offset + Nk), or max_seqlen when packed). Absolute positions are at most
+    multiple of H_kv (grouped-query attention); or packed q: [total_q, H, d], k, v: [total_k, H_kv, d] (any layout)
+    with cu_seqlens_q, cu_seqlens_k (int32 [S+1]) and max_seqlen_q, max_seqlen_k, or cu_seqlens and max_seqlen
+    for both (check_packing). A packed sequence's queries end where its keys end (FlashAttention's bottom-right
+    alignment): with Lq queries and Lk keys, query i sits at q_offset + Lk − Lq + i and key j at k_offset + j,
+    causal or not; causal keeps the keys at or before each query's position. The Call holds q, k, v as
+    [B, H, N, d] views. Tables (per query head): aq, ak
+    [H, R, d] ([R, d] with shared tables), bias [H, R] ([R]); R as the map defines it (identity: 2L − 1 with
+    L = max(q_offset + Nq, k_offset + Nk), or packed_length when packed). Absolute positions are at most
     MAX_POSITION."""
     q_offset, k_offset = _check_offsets(q_offset, k_offset)
     layout = check_layout(layout)
+    sides = packing_sides(cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     packed = None
-    if cu_seqlens is not None or max_seqlen is not None:
-        packed = _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset)
+    if sides is not None:
+        packed = check_packing(q, k, v, sides, key_padding_mask)
         b, h, h_kv, d = packed.sequences, q.shape[1], k.shape[1], q.shape[2]
-        nq = nk = packed.max_seqlen
+        nq, nk = packed.max_seqlen_q, packed.max_seqlen_k
+        _check_packed_length(packed, q_offset, k_offset)
     else:
         b, h, h_kv, nq, d, nk = _check_qkv(q, k, v, layout)
         for name, offset, n in (("q_offset", q_offset, nq), ("k_offset", k_offset, nk)):
@@ -260,7 +272,7 @@ def check_call(
             raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
     # the kernels are compiled per head dimension: a symbolic one (torch.compile, dynamic shapes) is specialised
     d = int(d)
-    length = max(q_offset + nq, k_offset + nk)
+    length = packed_length(packed, q_offset, k_offset) if packed is not None else max(q_offset + nq, k_offset + nk)
     rows = plan.rows_at(length)
 
     checked = [
@@ -320,8 +332,10 @@ def check_call(
         reuse=ablation != "no_constant_range_reuse",
         full_windows=ablation == "no_reachable_ranges",
         fp16_storage=projection_storage() == "fp16",
-        total=packed.total if packed is not None else 0,
-        cu_seqlens=packed.cu_seqlens if packed is not None else None,
+        total=packed.total_q if packed is not None else 0,
+        total_k=packed.total_k if packed is not None else 0,
+        cu_seqlens=packed.cu_seqlens_q if packed is not None else None,
+        cu_seqlens_k=packed.cu_seqlens_k if packed is not None else None,
     )
     return Call(
         *(lastdim_contiguous(heads_major(t, layout)) for t in (q, k, v)),
@@ -336,13 +350,17 @@ def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
     checking the arguments that decide it: the window a module planned for an unproven map must cover
     (relgen.runtime.mechanism.Mechanism). It depends on the offsets' difference only, not on how far along they are."""
     q_offset, k_offset = _check_offsets(options.get("q_offset", 0), options.get("k_offset", 0))
-    cu_seqlens, max_seqlen = options.get("cu_seqlens"), options.get("max_seqlen")
-    if cu_seqlens is not None or max_seqlen is not None:
-        kpm = options.get("key_padding_mask")
-        return _check_packed(q, k, v, cu_seqlens, max_seqlen, kpm, q_offset, k_offset).max_seqlen
-    _, _, _, nq, _, nk = _check_qkv(q, k, v, check_layout(options.get("layout", "bhnd")))
-    high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
-    low = q_offset - (k_offset + nk - 1)
+    sides = packing_sides(*(options.get(name) for name in PACKING_OPTIONS))
+    if sides is not None:
+        packed = check_packing(q, k, v, sides, options.get("key_padding_mask"))
+        # a sequence's queries end where its keys end (bottom-right): its last query meets its first key at
+        # δ = Lk − 1 + q_offset − k_offset, its first query its last key at δ = 1 − Lq + q_offset − k_offset
+        high = q_offset - k_offset + packed.max_seqlen_k - 1
+        low = q_offset - k_offset - packed.max_seqlen_q + 1
+    else:
+        _, _, _, nq, _, nk = _check_qkv(q, k, v, check_layout(options.get("layout", "bhnd")))
+        high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
+        low = q_offset - (k_offset + nk - 1)
     if plan.causal:  # pairs with δ < 0 are masked
         high, low = max(high, 0), max(low, 0)
     return max(abs(high), abs(low)) + 1
@@ -463,26 +481,83 @@ def _check_qkv(q, k, v, layout: str) -> tuple[int, int, int, int, int, int]:
 
 
 @dataclass(frozen=True)
+class PackedSide:
+    """The packing of the queries or of the keys as the call gave it, with the argument names its errors use."""
+
+    cu_name: str
+    cu_seqlens: Any
+    max_name: str
+    max_seqlen: Any
+
+
+@dataclass(frozen=True)
 class Packed:
     sequences: int
-    total: int
-    max_seqlen: int
-    cu_seqlens: torch.Tensor
+    total_q: int
+    total_k: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor  # cu_seqlens_q itself when both sides are packed alike
 
 
-def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k_offset) -> Packed:
-    q = _check_q(q, 3, "[total, H, d] (packed: cu_seqlens given)")
-    total, h, d = q.shape
-    for name, t in (("k", k), ("v", v)):
-        t = _check_tensor(name, t, 3, lambda: f"[{total}, H_kv, {d}] like q (packed)")
-        if t.shape[0] != total or t.shape[2] != d or not _groups(h, t.shape[1]) or t.shape[1] != k.shape[1]:
+def packing_sides(
+    cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+) -> tuple[PackedSide, PackedSide] | None:
+    """(queries' side, keys' side) of a packed call, one object for both under the shorthand cu_seqlens /
+    max_seqlen; None for a dense call. Giving both forms, or one of cu_seqlens_q / cu_seqlens_k without the
+    other, is a ValueError naming them."""
+    separate = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    given = [name for name, value in zip(PACKING_OPTIONS[2:], separate, strict=True) if value is not None]
+    if cu_seqlens is not None or max_seqlen is not None:
+        if given:
+            shorthand = [
+                name
+                for name, value in zip(PACKING_OPTIONS[:2], (cu_seqlens, max_seqlen), strict=True)
+                if value is not None
+            ]
             raise ValueError(
-                f"{name}: expected shape [{total}, H_kv, {d}] like q {_shape(q)} (packed sequences), H_kv dividing "
-                f"H = {h} (and the same for k and v), got {_shape(t)}"
+                f"{', '.join(shorthand)}: the shorthand for equal query and key packing, which cannot be combined "
+                f"with {', '.join(given)}; pass either cu_seqlens (and max_seqlen) or cu_seqlens_q, cu_seqlens_k "
+                "(and max_seqlen_q, max_seqlen_k)"
             )
-    if cu_seqlens is None:
-        raise ValueError("cu_seqlens: required with max_seqlen (packed sequences), expected int32 [S+1]")
-    cu = cu_seqlens
+        side = PackedSide("cu_seqlens", cu_seqlens, "max_seqlen", max_seqlen)
+        return side, side
+    if not given:
+        return None
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if value is None:
+            raise ValueError(
+                f"{name}: required with {', '.join(given)} (packed sequences: an int32 tensor [S+1] of sequence "
+                "starts for the queries, cu_seqlens_q, and one for the keys, cu_seqlens_k)"
+            )
+    return (
+        PackedSide("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
+        PackedSide("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k),
+    )
+
+
+def packed_length(packed: Packed, q_offset: Any, k_offset: Any) -> Any:
+    """The identity map's L of a packed call: 1 + the largest |δ| any of its sequences can reach. Query i of a
+    sequence with Lq queries and Lk keys sits at q_offset + Lk − Lq + i and key j at k_offset + j, so δ lies in
+    [1 − Lq + q_offset − k_offset, Lk − 1 + q_offset − k_offset]; with equal packing and no offsets, max_seqlen."""
+    return max(q_offset, k_offset) + max(packed.max_seqlen_q, packed.max_seqlen_k)
+
+
+def _check_packed_length(packed: Packed, q_offset: Any, k_offset: Any) -> None:
+    length = packed_length(packed, q_offset, k_offset)
+    if length > MAX_POSITION:
+        name = "q_offset" if q_offset >= k_offset else "k_offset"
+        raise ValueError(
+            f"{name}: the packed call's length max(q_offset, k_offset) + max(max_seqlen_q, max_seqlen_k) = {length} "
+            f"exceeds relgen.runtime.arguments.MAX_POSITION = {MAX_POSITION}, the largest position the kernels hold "
+            "exactly"
+        )
+
+
+def _check_starts(side: PackedSide, q: torch.Tensor) -> torch.Tensor:
+    """A side's cu_seqlens as a tensor the kernels may read (its values are checked in check_packing)."""
+    cu = side.cu_seqlens
     if (
         not isinstance(cu, torch.Tensor)
         or cu.layout != torch.strided
@@ -490,34 +565,85 @@ def _check_packed(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, q_offset, k
         or cu.dim() != 1
         or cu.numel() < 2
     ):
-        raise ValueError(f"cu_seqlens: expected an int32 tensor [S+1] (S ≥ 1) of sequence starts, got {_got(cu)}")
+        raise ValueError(f"{side.cu_name}: expected an int32 tensor [S+1] (S ≥ 1) of sequence starts, got {_got(cu)}")
     if cu.device != q.device:
-        raise ValueError(f"cu_seqlens: must be on q's device ({q.device}), got {cu.device}")
+        raise ValueError(f"{side.cu_name}: must be on q's device ({q.device}), got {cu.device}")
+    return cu.contiguous()
+
+
+def _check_max(side: PackedSide, longest: int, total: int) -> int:
+    """A side's max_seqlen: the longest sequence when not given."""
+    # a sequence holds at most every token: a larger max_seqlen would only size windows and tables for nothing
+    # (bounded by the tensor's shape, so checking it needs no look at cu_seqlens' values on the device)
+    most = min(max(total, 1), MAX_POSITION)
+    if side.max_seqlen is None:
+        return max(longest, 1)
+    expected = f"an int ≥ the longest sequence ({longest}) and ≤ the tokens present ({most})"
+    return max(_integer(side.max_name, side.max_seqlen, max(longest, 1), most, expected), 1)
+
+
+def check_packing(q, k, v, sides: tuple[PackedSide, PackedSide], key_padding_mask) -> Packed:
+    """Packed q [total_q, H, d] and k, v [total_k, H_kv, d] against their sides' cu_seqlens (int32 [S+1], from 0,
+    non-decreasing, ending at the side's token count, both with S + 1 entries) and max_seqlen (≥ the side's
+    longest sequence, computed when None; required where the values cannot be read)."""
+    q_side, k_side = sides
+    equal = q_side is k_side
+    q = _check_q(q, 3, f"[total, H, d] (packed: {q_side.cu_name} given)")
+    total_q, h, d = q.shape
+    k_tokens = "total" if equal else "total_k"
+    for name, t in (("k", k), ("v", v)):
+        t = _check_tensor(name, t, 3, lambda: f"[{k_tokens}, H_kv, {d}] like q (packed)")
+        if (
+            (equal and t.shape[0] != total_q)
+            or t.shape[0] != k.shape[0]
+            or t.shape[2] != d
+            or not _groups(h, t.shape[1])
+            or t.shape[1] != k.shape[1]
+        ):
+            tokens = total_q if equal else k_tokens
+            raise ValueError(
+                f"{name}: expected shape [{tokens}, H_kv, {d}] like q {_shape(q)} (packed sequences), H_kv dividing "
+                f"H = {h} (and the same for k and v), got {_shape(t)}"
+            )
+    total_k = k.shape[0]
+    cu_q = _check_starts(q_side, q)
+    cu_k = cu_q if equal else _check_starts(k_side, q)
+    if cu_k.shape[0] != cu_q.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_k: expected {cu_q.shape[0]} entries like cu_seqlens_q (one start per sequence, then the "
+            f"end), got {cu_k.shape[0]}"
+        )
     if key_padding_mask is not None:
-        raise ValueError("key_padding_mask: not used with cu_seqlens (packed sequences hold real tokens only)")
-    for name, offset in (("q_offset", q_offset), ("k_offset", k_offset)):
-        if offset:
-            raise ValueError(f"{name}: position offsets are not supported with cu_seqlens (each sequence starts at 0)")
-    total = q.shape[0]
-    if is_fake(cu) or capturing():
+        raise ValueError(f"key_padding_mask: not used with {q_side.cu_name} (packed sequences hold real tokens only)")
+    if is_fake(cu_q) or capturing():
         # the values cannot be read: torch.compile traces on shape-only tensors, and a CUDA graph being captured
         # cannot wait for a copy to the host (the values a replay reads are never seen by the host anyway)
-        if max_seqlen is None:
-            raise ValueError(
-                "max_seqlen: required with cu_seqlens under torch.compile or CUDA graph capture, expected an int"
-            )
-        longest = 1
+        for side in sides:
+            if side.max_seqlen is None:
+                raise ValueError(
+                    f"{side.max_name}: required with {side.cu_name} under torch.compile or CUDA graph capture, "
+                    "expected an int"
+                )
+        longest_q = longest_k = 1
     else:
-        starts = cu.tolist()
-        if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
-            raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to total={total}, got {_got(starts)}")
-        longest = max(b - a for a, b in itertools.pairwise(starts))
-    # a sequence holds at most every token: a larger max_seqlen would only size windows and tables for nothing
-    # (bounded by q's shape, so checking it needs no look at cu_seqlens' values on the device)
-    most = min(max(total, 1), MAX_POSITION)
-    if max_seqlen is None:
-        max_seqlen = longest
-    else:
-        expected = f"an int ≥ the longest sequence ({longest}) and ≤ the tokens present ({most})"
-        max_seqlen = _integer("max_seqlen", max_seqlen, max(longest, 1), most, expected)
-    return Packed(cu.shape[0] - 1, total, max(max_seqlen, 1), cu.contiguous())
+        # one copy to the host for both sides
+        values = cu_q.tolist() if equal else torch.stack((cu_q, cu_k)).tolist()
+        longest = []
+        for side, starts, total in zip(sides, [values] * 2 if equal else values, (total_q, total_k), strict=True):
+            if starts[0] != 0 or any(b < a for a, b in itertools.pairwise(starts)) or starts[-1] != total:
+                what = "tokens" if equal else ("queries" if side is q_side else "keys")
+                raise ValueError(
+                    f"{side.cu_name}: expected non-decreasing offsets from 0 to the {what} present ({total}), got "
+                    f"{_got(starts)}"
+                )
+            longest.append(max(b - a for a, b in itertools.pairwise(starts)))
+        longest_q, longest_k = longest
+    return Packed(
+        sequences=cu_q.shape[0] - 1,
+        total_q=total_q,
+        total_k=total_k,
+        max_seqlen_q=_check_max(q_side, longest_q, total_q),
+        max_seqlen_k=_check_max(k_side, longest_k, total_k),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )

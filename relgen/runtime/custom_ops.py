@@ -14,7 +14,9 @@ Under torch.compile:
 - dropout needs an explicit `dropout_seed` (a seed drawn inside the compiled graph would reach the backward only
   through a host synchronisation): an int (the op's `seed`), or a one-element tensor the kernels read (`seed_tensor`),
   which under CUDA graphs is the only kind a replay does not freeze;
-- packed sequences need `max_seqlen` (the longest sequence cannot be read off the device while tracing);
+- packed sequences need `max_seqlen` (the longest sequence cannot be read off the device while tracing), and
+  take the shorthand `cu_seqlens` form only: separate query and key packing (`cu_seqlens_q` ≠ `cu_seqlens_k`)
+  is eager-only;
 - the ablation switches (`relgen bench --ablation`) are eager-only.
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from relgen.runtime.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous
+from relgen.runtime.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous, packing_sides
 
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
@@ -86,6 +88,23 @@ _REGISTERED: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
 #: an op name is defined once per process: two threads defining one would leave the first's registration
 #: destroyed under the second's
 _REGISTERING = threading.Lock()
+
+
+def compiled_packing(packing: dict[str, Any]) -> dict[str, Any]:
+    """A call's packing options as the ops take them: cu_seqlens and max_seqlen. The separate form is accepted
+    when it describes equal packing (one tensor for both sides, equal max_seqlen_q and max_seqlen_k)."""
+    separate = {name: packing[name] for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
+    if all(value is None for value in separate.values()):
+        return {"cu_seqlens": packing["cu_seqlens"], "max_seqlen": packing["max_seqlen"]}
+    if packing["cu_seqlens"] is not None or packing["max_seqlen"] is not None:
+        packing_sides(*packing.values())  # raises: both forms given
+    cu_q, cu_k, max_q, max_k = separate.values()
+    if cu_q is not cu_k or max_q != max_k:
+        raise NotImplementedError(
+            "cu_seqlens_q, cu_seqlens_k: separate query and key packing is not supported under torch.compile "
+            "(eager only); under torch.compile pass equal packing as cu_seqlens and max_seqlen"
+        )
+    return {"cu_seqlens": cu_q, "max_seqlen": max_q}
 
 
 def register(module_name: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -143,8 +143,11 @@ class GradientBuffer:
 class Geometry:
     """Sizes, bounds and windows of one call; every kernel launch reads its scalars from here.
 
-    Packed sequences (`varlen`): `batch` counts sequences, `nq` = `nk` = max_seqlen, `total` tokens in all, and
-    each kernel reads its sequence's start and length from `cu_seqlens`.
+    Packed sequences (`varlen`): `batch` counts sequences, `nq` and `nk` are max_seqlen_q and max_seqlen_k,
+    `total` and `total_k` the query and key tokens in all, and each kernel reads its sequence's starts and lengths
+    from `cu_seqlens` (queries) and `cu_seqlens_k` (keys; the same tensor under equal packing). `doff` is
+    q_offset − k_offset; a sequence with Lq queries and Lk keys adds Lk − Lq to it (its queries end where its keys
+    end, as FlashAttention aligns them).
 
     `heads` counts query heads, `kv_heads` key/value heads (grouped-query attention: query head h reads key/value
     head h // kv_group); tables, Z̃ and dZ̃ are per query head. `layout`: the caller's layout of dense q, k, v and
@@ -171,6 +174,8 @@ class Geometry:
     kv_heads: int = 0  # make() defaults it to `heads`
     layout: str = "bhnd"
     cu_seqlens: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    total_k: int = 0
+    cu_seqlens_k: torch.Tensor | None = field(default=None, compare=False, repr=False)
     low: int = 0
     high: int = 0
     c: int = 0
@@ -236,11 +241,14 @@ class Geometry:
     def token_rows(self, query_side: bool) -> int:
         """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""
         if self.varlen:
-            return self.heads * self.total
+            return self.heads * (self.total if query_side else self.total_k)
         return self.batch * self.heads * (self.nq if query_side else self.nk)
 
-    def cu_seqlens_or(self, dummy: torch.Tensor) -> torch.Tensor:
-        return self.cu_seqlens if self.cu_seqlens is not None else dummy
+    def cu_seqlens_or(self, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' CU and CU_K: the queries' and the keys' sequence starts (`dummy` twice when not packed)."""
+        if self.cu_seqlens is None:
+            return dummy, dummy
+        return self.cu_seqlens, self.cu_seqlens_k if self.cu_seqlens_k is not None else self.cu_seqlens
 
     @property
     def z_dtype(self) -> torch.dtype:

@@ -175,7 +175,7 @@ class Mechanism:
                     f"ablation no_projections: {plan.spec_name} {why}; in-tile relation products cover query and "
                     "key terms without a bias, on the offset path"
                 )
-            if options.get("cu_seqlens") is not None:
+            if any(options.get(name) is not None for name in ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")):
                 raise NotImplementedError("ablation no_projections: packed sequences (cu_seqlens) are not supported")
             return self._variant(module, relations="in_tile"), options
         if ablation == "no_bucket_copies":  # projections per table row, read through β by every score

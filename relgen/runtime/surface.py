@@ -10,7 +10,7 @@ from relgen.backend import configure_triton
 configure_triton()
 
 from relgen.runtime.arguments import Call, finish, lastdim_contiguous, prepare_call, seed_snapshot  # noqa: E402
-from relgen.runtime.custom_ops import Passes  # noqa: E402
+from relgen.runtime.custom_ops import Passes, compiled_packing  # noqa: E402
 from relgen.runtime.custom_ops import register as register_custom_ops  # noqa: E402
 from relgen.runtime.descriptors import kv_descriptors  # noqa: E402
 from relgen.runtime.geometry import ROW_ALIGN, PlanInfo  # noqa: E402
@@ -25,6 +25,7 @@ __all__ = [
     "PlanInfo",
     "cdiv",
     "column_splits",
+    "compiled_packing",
     "finish",
     "kv_descriptors",
     "lastdim_contiguous",
