@@ -7,7 +7,10 @@ globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
         [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections]
-        [--dropout-seed int|tensor] [--head-dim 64] [--kv-heads 2] [--layout bhnd|bnhd]
+        [--dropout-seed int|tensor] [--k-offset 0] [--head-dim 64] [--kv-heads 2] [--layout bhnd|bnhd]
+
+--k-offset K: the call's keys (and queries) start at position K; with dropout, a K that is not a multiple of four
+compiles the kernels' one-Philox-call-per-score mode (relgen.runtime.dropout).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def record(
     head_dim: int = 64,
     kv_heads: int = 2,
     layout: str = "bhnd",
+    k_offset: int = 0,
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -105,7 +109,7 @@ def record(
         cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(current, **{name: value})})
     print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
-    rows = spec.map.num_rows(n)
+    rows = spec.map.num_rows(n + k_offset)
     shape = (rows, head_dim) if spec.heads_share_tables else (2, rows, head_dim)
     tables = {}
     if spec.has_query:
@@ -119,7 +123,7 @@ def record(
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    options = {"layout": layout}
+    options = {"layout": layout, "q_offset": k_offset, "k_offset": k_offset}
     if dropout_seed is not None:  # the dropout kernels, with the seed as an int or read from a tensor
         options |= {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
     with select.override_config(cfg):
@@ -243,6 +247,7 @@ def main() -> int:
     parser.add_argument(
         "--dropout-seed", choices=["int", "tensor"], default=None, help="compile the dropout kernels, seed as given"
     )
+    parser.add_argument("--k-offset", type=int, default=0, help="q_offset = k_offset of the recorded call")
     parser.add_argument("--head-dim", type=int, default=64, help="d of the recorded call (and of its tiles)")
     parser.add_argument("--kv-heads", type=int, default=2, choices=(1, 2), help="key/value heads (of 2 query heads)")
     parser.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd"), help="layout of q, k, v")
@@ -263,6 +268,7 @@ def main() -> int:
         args.head_dim,
         args.kv_heads,
         args.layout,
+        args.k_offset,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

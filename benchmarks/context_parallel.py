@@ -1,8 +1,8 @@
 """Context-parallel timing: relgen.distributed's ring over 1 … P GPUs (NCCL), per-GPU throughput and peak memory.
 
 python benchmarks/context_parallel.py [--world-sizes 1,2,4,8] [--seq-lens 32k,64k,128k,256k]
-    [--specs shaw,t5_decoder] [--shardings auto] [--heads 8] [--head-dim 64] [--dtype bf16] [--warmup 2] [--reps 5]
-    [--out DIR]
+    [--specs shaw,t5_decoder] [--shardings auto] [--heads 8] [--head-dim 64] [--dtype bf16] [--dropout 0.0]
+    [--warmup 2] [--reps 5] [--out DIR]
 python benchmarks/context_parallel.py --smoke [--out DIR]   # CPU, gloo, Triton's interpreter, tiny shapes
 
 Each world size runs in a group of processes of its own (one GPU per rank, spawned; the rings of one, two, …
@@ -129,13 +129,14 @@ def _inputs(spec, n_local: int, n: int, args, device: torch.device, rank: int):
 def _measure(call, q, k, v, do, tables, clock: Clock, args) -> dict[str, float]:
     """Forward and step times of `call` (the ring or the plain call) and the step's peak memory."""
     leaves = [q, k, v, *tables.values()]
+    options = {"dropout_p": args.dropout, "dropout_seed": 1234} if args.dropout else {}
 
     def forward():
         with torch.no_grad():
-            call(q, k, v, **tables)
+            call(q, k, v, **tables, **options)
 
     def step():
-        out = call(q, k, v, **tables)
+        out = call(q, k, v, **tables, **options)
         torch.autograd.grad(out, leaves, do)
 
     fwd = clock.median(forward, args.warmup, args.reps)
@@ -191,6 +192,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
                 record: dict[str, Any] = {
                     **env, "spec": name, "causal": spec.causal, "sharding": sharding, "world_size": world,
                     "seq_len": n, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
+                    "dropout_p": args.dropout,
                 }  # fmt: skip
                 cp_fn = rd.context_parallel(fn, sharding=sharding)
                 record.update(_measure(cp_fn, q, k, v, do, tables, clock, args))
@@ -225,7 +227,8 @@ def report(records: list[dict[str, Any]]) -> str:
         "# Context parallelism (relgen.distributed)",
         "",
         f"{dates[0]} – {dates[-1]} · commit {values('commit')} · {values('device')} · torch {values('torch')} · "
-        f"{values('backend')}; B = 1, H = {values('heads')}, d = {values('head_dim')}, {values('dtype')}.",
+        f"{values('backend')}; B = 1, H = {values('heads')}, d = {values('head_dim')}, {values('dtype')}, "
+        f"dropout_p {values('dropout_p')}.",
         "",
         "Median over the reps of the slowest rank; per-GPU throughput credits 4·B·H·N²·d forward FLOPs (half when "
         "causal, three times that for a step) over P GPUs; peak: the most any rank allocated in a step, inputs "
@@ -261,6 +264,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (one seed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--timeout-s", type=int, default=600, help="the process group's timeout")

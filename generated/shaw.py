@@ -73,9 +73,10 @@ INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
 # integer arguments the attention kernels leave to run time (Triton specialises an integer on being 1 or a multiple
-# of 16): window sizes and strides, which vary with N inside a bucket, and the dropout seed, which varies per step
-# (specialised, a training run's seeds would compile each kernel up to three times)
-_FWD_RUNTIME = ["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "seed"]
+# of 16): window sizes and strides, which vary with N inside a bucket, the dropout seed, which varies per step
+# (specialised, a training run's seeds would compile each kernel up to three times), and QPOS, the absolute position
+# of query 0 that dropout reads (a KV cache's or a sharded chunk's offset, which varies per call)
+_FWD_RUNTIME = ["C", "WQ", "WK", "ZSQ_A", "ZSK_A", "seed", "QPOS"]
 _BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
 # the sequence lengths keep their specialisation (a multiple of 16 is a hint the kernels compile better with),
 # except when one is 1: compiled as that constant, the query pass of a 64x64 8-warp tile crashes ptxas (CUDA 12.8,
@@ -598,8 +599,9 @@ def _fwd_range(
     bh,
     seed,
     dropout_p,
-    rng_nq,
-    rng_nk,
+    H,
+    pos_q,
+    pos_k,
     Nq,
     Nk,
     DOFF,
@@ -686,7 +688,7 @@ def _fwd_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             j_first = tile * BLOCK_N if UP else j_hi
-            keep = dropout_keep(seed, bh, offs_m, j_first, rng_nq, rng_nk, dropout_p, BLOCK_N, not UP, False)
+            keep = dropout_keep(seed, bh, H, offs_m, j_first, pos_q, pos_k, dropout_p, BLOCK_N, not UP, False, DROPOUT)
             p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
@@ -728,6 +730,7 @@ def _attn_fwd_kernel(
     sbias_h,
     seed,
     dropout_p,
+    QPOS,
     H,
     Nq_all,
     Nk_all,
@@ -821,7 +824,26 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
-    args = (bh, seed, dropout_p, Nq_all, Nk_all, Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK, k_win_base, qk_scale)
+    args = (
+        bh,
+        seed,
+        dropout_p,
+        H,
+        QPOS,
+        QPOS - DOFF0,
+        Nq,
+        Nk,
+        DOFF,
+        LOW,
+        HIGH,
+        C,
+        WQ,
+        WK,
+        ZSQ,
+        ZSK,
+        k_win_base,
+        qk_scale,
+    )
     common = (
         q,
         K_bh,
@@ -1028,8 +1050,9 @@ def _probabilities(
     dropout_p,
     offs_m,
     j_hi,
-    rng_nq,
-    rng_nk,
+    H,
+    pos_q,
+    pos_k,
     DROPOUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
@@ -1038,7 +1061,7 @@ def _probabilities(
     x, c: the scores as _score_tile gives them, for the keys j_hi, j_hi − 1, … (_key_tile)."""
     p = tl.exp2(x * qk_scale - _along_queries(lse2 - c, KEY_MAJOR))
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m, j_hi, rng_nq, rng_nk, dropout_p, BLOCK_N, True, KEY_MAJOR)
+        keep = dropout_keep(seed, bh, H, offs_m, j_hi, pos_q, pos_k, dropout_p, BLOCK_N, True, KEY_MAJOR, DROPOUT)
         p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     else:
         p_kept = p
@@ -1076,8 +1099,9 @@ def _bwd_q_range(
     bh,
     seed,
     dropout_p,
-    rng_nq,
-    rng_nk,
+    H,
+    pos_q,
+    pos_k,
     Nq,
     Nk,
     DOFF,
@@ -1149,7 +1173,7 @@ def _bwd_q_range(
             False,
         )
         p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, rng_nq, rng_nk, DROPOUT, BLOCK_N, False
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, H, pos_q, pos_k, DROPOUT, BLOCK_N, False
         )
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p_kept * dp - p * Di[:, None]
@@ -1213,6 +1237,7 @@ def _attn_bwd_q_kernel(
     sdq_n,
     seed,
     dropout_p,
+    QPOS,
     H,
     Nq_all,
     Nk_all,
@@ -1294,8 +1319,9 @@ def _attn_bwd_q_kernel(
         bh,
         seed,
         dropout_p,
-        Nq_all,
-        Nk_all,
+        H,
+        QPOS,
+        QPOS - DOFF0,
         Nq,
         Nk,
         DOFF,
@@ -1525,8 +1551,9 @@ def _bwd_kv_range(
     bh,
     seed,
     dropout_p,
-    rng_nq,
-    rng_nk,
+    H,
+    pos_q,
+    pos_k,
     Nq,
     Nk,
     DOFF,
@@ -1604,7 +1631,7 @@ def _bwd_kv_range(
             False,
         )
         p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, rng_nq, rng_nk, DROPOUT, BLOCK_N, KEY_MAJOR
+            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, H, pos_q, pos_k, DROPOUT, BLOCK_N, KEY_MAJOR
         )
         if KEY_MAJOR:  # [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand
             dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
@@ -1660,6 +1687,7 @@ def _attn_bwd_kv_kernel(
     sdv_n,
     seed,
     dropout_p,
+    QPOS,
     H,
     Nq_all,
     Nk_all,
@@ -1742,8 +1770,9 @@ def _attn_bwd_kv_kernel(
             bh,
             seed,
             dropout_p,
-            Nq_all,
-            Nk_all,
+            H,
+            QPOS,
+            QPOS - DOFF0,
             Nq,
             Nk,
             DOFF,
@@ -2242,7 +2271,19 @@ def _projections(q, k, expanded, geo, cfg, for_forward=False):
 
 def _scalar_args(geo):
     strides = tuple(geo.row_units(geo.projection_columns(side)[1]) for side in (True, False))
-    return (geo.seed, geo.dropout_p, *_sizes(geo), geo.doff, geo.low, geo.high, geo.c, geo.wq, geo.wk, *strides)
+    return (
+        geo.seed,
+        geo.dropout_p,
+        geo.q_offset,
+        *_sizes(geo),
+        geo.doff,
+        geo.low,
+        geo.high,
+        geo.c,
+        geo.wq,
+        geo.wk,
+        *strides,
+    )
 
 
 def _or(t, dummy):
@@ -2293,7 +2334,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         KV_GROUP=geo.kv_group,
         CAUSAL=False,
         HAS_KPM=kpm is not None,
-        DROPOUT=geo.dropout_p > 0,
+        DROPOUT=geo.dropout_mode,
         VARLEN=geo.varlen,
         PREC=geo.prec,
         REUSE=geo.reuse,
@@ -2456,7 +2497,7 @@ def _backward(do, saved, geo, cfg):
         KV_GROUP=geo.kv_group,
         CAUSAL=False,
         HAS_KPM=kpm is not None,
-        DROPOUT=geo.dropout_p > 0,
+        DROPOUT=geo.dropout_mode,
         VARLEN=geo.varlen,
         PREC=geo.prec,
         REUSE=geo.reuse,

@@ -170,15 +170,26 @@ def _unravel(flat: int, shape: torch.Size) -> list[int]:
 
 
 def dropout_keep_mask(
-    shape: tuple[int, int, int, int], p: float, seed: int | torch.Tensor, device="cpu"
+    shape: tuple[int, int, int, int],
+    p: float,
+    seed: int | torch.Tensor,
+    device="cpu",
+    *,
+    q_offset: int = 0,
+    k_offset: int = 0,
 ) -> torch.Tensor:
-    """The bool keep mask [B, H, Nq, Nk] (True = kept) that a call with `dropout_p=p, dropout_seed=seed` draws
-    inside the kernels: the same counter-based stream (relgen.runtime.dropout), regenerated, never stored. A tensor seed
-    is read once on the host."""
-    from relgen.runtime.dropout import keep_mask
+    """The bool keep mask [B, H, Nq, Nk] (True = kept) that a call with `dropout_p=p, dropout_seed=seed` and these
+    `q_offset`, `k_offset` draws inside the kernels: the same counter-based stream (relgen.runtime.dropout), regenerated
+    by torch code, never stored. It depends on the absolute positions only, so the mask of a part of a sequence
+    (a chunk at its offsets) is that part of the whole sequence's mask. Packed sequences: [S, H, max_seqlen,
+    max_seqlen], offsets 0. A tensor seed is read once on the host."""
+    from relgen.runtime.dropout_stream import keep_mask
 
     if len(shape) != 4:
         raise ValueError(f"shape: expected (B, H, Nq, Nk), got {shape!r}")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p: expected a number in [0, 1), got {p!r}")
-    return keep_mask(tuple(int(s) for s in shape), p, int(seed), device)
+    for name, offset in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {offset!r}")
+    return keep_mask(tuple(int(s) for s in shape), p, int(seed), device, q_offset, k_offset)

@@ -66,9 +66,11 @@ class Case:
 CASES = {
     2: [
         Case("shaw-contiguous", "shaw", "contiguous"),
-        Case("txl-zigzag-offsets", "txl", "zigzag", offsets=(5, 3)),
+        # dropout: the unsharded call's mask; k_offset 3 (and 5 below) is not a multiple of four: one Philox call
+        # per score
+        Case("txl-zigzag-offsets-dropout", "txl", "zigzag", offsets=(5, 3), dropout=0.25),
         Case("log-contiguous-padding", LOG, "contiguous", padding=True),
-        Case("t5-contiguous", "t5", "contiguous"),
+        Case("t5-contiguous-dropout", "t5", "contiguous", dropout=0.25),
         Case("t5_decoder-zigzag-repeat", "t5_decoder", "zigzag", repeat=True),
         Case("wav2vec2_bert-zigzag-padding", "wav2vec2_bert", "zigzag", padding=True),
         Case("boundaries-contiguous", BOUNDARIES, "contiguous"),
@@ -78,8 +80,8 @@ CASES = {
         Case("txl-local-tables", "txl", "contiguous", local_tables=True),
     ],
     4: [
-        Case("txl-contiguous-4", "txl", "contiguous"),
-        Case("identity_causal-zigzag-4", IDENTITY_CAUSAL, "zigzag"),
+        Case("txl-contiguous-4-dropout", "txl", "contiguous", dropout=0.25),
+        Case("identity_causal-zigzag-4-dropout", IDENTITY_CAUSAL, "zigzag", dropout=0.25),
     ],
 }
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
@@ -175,25 +177,15 @@ def _results(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[
     return _RESULTS[world]
 
 
-def _expected(case: Case, group_size: int):
-    """(out, lse, dq, dk, dv, {table: gradient}) of the unsharded call on the gathered sequence; with dropout, of
-    the FP64 reference with the keep mask the sharded call draws."""
+def _expected(case: Case):
+    """(out, lse, dq, dk, dv, {table: gradient}) of the unsharded call on the gathered sequence (dropout: with the
+    same seed, so the same mask)."""
     import relgen
-    import relgen.distributed as rd
-    from relgen import reference
 
     spec, inputs, do, kpm, options = _gathered(case)
     leaves = [inputs.q, inputs.k, inputs.v, *inputs.tables.values()]
-    if case.dropout:
-        shape = (1, 2, case.n, case.n)
-        mask = rd.keep_mask(shape, case.dropout, options["dropout_seed"], group_size, case.sharding)
-        out, lse = reference.attention(
-            spec, *leaves[:3], **inputs.tables, key_padding_mask=kpm, keep_mask=mask, dropout_p=case.dropout,
-            q_offset=options["q_offset"], k_offset=options["k_offset"], return_lse=True,
-        )  # fmt: skip
-    else:
-        fn = relgen.compile_mechanism(spec)
-        out, lse = fn(*leaves[:3], **inputs.tables, key_padding_mask=kpm, return_lse=True, **options)
+    fn = relgen.compile_mechanism(spec)
+    out, lse = fn(*leaves[:3], **inputs.tables, key_padding_mask=kpm, return_lse=True, **options)
     grads = torch.autograd.grad(out, leaves, do.to(out.dtype))
     return (out, lse, *grads[:3]), dict(zip(inputs.tables, grads[3:], strict=True))
 
@@ -211,7 +203,7 @@ def test_sharded_call_equals_the_gathered_call(world: int, case: Case, tmp_path_
         return
     for r, result in enumerate(ranks):
         assert "error" not in result, f"rank {r}:\n{result['traceback']}"
-    (out, lse, dq, dk, dv), tables = _expected(case, world)
+    (out, lse, dq, dk, dv), tables = _expected(case)
     got = ranks[0]["tensors"]
     for name, expected in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert_close(got[name], expected, torch.float32, f"{case.name} {name}")
@@ -344,19 +336,30 @@ def test_merging_chunk_partials_gives_the_softmax_over_every_key(cuts, seed, hid
 
 
 @INTERPRETED
-def test_the_pairs_dropout_streams():
-    """One chunk keeps the seed (the unsharded call's mask); with several, every pair draws a mask of its own at
-    the keep rate."""
+def test_a_ring_of_one_in_zigzag_chunks_draws_the_unsharded_dropout_mask():
+    """Four chunk pairs at their own offsets (keys from position 2: no chunk starts on a multiple of four) draw
+    the unsharded call's mask: the same output and gradients, and the mask `dropout_keep_mask` regenerates."""
+    import relgen
     import relgen.distributed as rd
-    from relgen.testing import dropout_keep_mask
+    from relgen import reference
+    from relgen.testing import assert_close, dropout_keep_mask
 
-    shape, p = (1, 2, 32, 32), 0.3
-    assert torch.equal(rd.keep_mask(shape, p, 99, 1, "contiguous"), dropout_keep_mask(shape, p, 99))
-    mask = rd.keep_mask(shape, p, 99, 2, "zigzag")
-    blocks = [mask[:, :, i : i + 8, j : j + 8] for i in range(0, 32, 8) for j in range(0, 32, 8)]
-    assert all(not torch.equal(a, b) for n, a in enumerate(blocks) for b in blocks[n + 1 :])
-    assert abs(mask.float().mean().item() - (1 - p)) < 0.05
-    assert not torch.equal(mask, rd.keep_mask(shape, p, 100, 2, "zigzag"))
+    spec = _spec(Case("t5", "t5", "zigzag"))
+    fn = relgen.compile_mechanism(spec)
+    inputs, leaves = _leaves(spec, 16, 16, 18)
+    do = torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(3))
+    options = {"q_offset": 1, "k_offset": 2, "dropout_p": 0.3, "dropout_seed": 21}
+    expected = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, return_lse=True, **options)
+    got = rd.context_parallel(fn, sharding="zigzag")(inputs.q, inputs.k, inputs.v, **inputs.tables, return_lse=True,
+                                                     **options)  # fmt: skip
+    keep = dropout_keep_mask((1, 2, 16, 16), 0.3, 21, q_offset=1, k_offset=2)
+    ref = reference.attention(spec, *leaves[:3], **inputs.tables, keep_mask=keep, q_offset=1, k_offset=2, dropout_p=0.3)
+    assert_close(got[0], ref, torch.float32, "out against the FP64 reference with the regenerated mask")
+    for name, a, e in zip(("out", "lse"), got, expected, strict=True):
+        assert_close(a, e, torch.float32, name)
+    grads = zip(torch.autograd.grad(got[0], leaves, do), torch.autograd.grad(expected[0], leaves, do), strict=True)
+    for name, (a, e) in zip(("dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)), grads, strict=True):
+        assert_close(a, e, torch.float32, name)
 
 
 _X = torch.zeros(1, 2, 16, D)

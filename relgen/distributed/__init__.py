@@ -10,16 +10,14 @@ relgen's kernels take absolute positions (`q_offset`, `k_offset`) and return the
 chunks is an ordinary call of the mechanism's generated module, offset terms and all: no N×N bias exists on
 any rank. The key chunks go round the ring by point-to-point transfers posted before the kernels run on the
 current chunk; the partial outputs merge through their log-sum-exp in fp32; the backward runs the ring again
-with the gathered log-sum-exp, and dK, dV travel with their chunk back to its owner. Dropout draws a mask of
-its own per chunk pair (`relgen.distributed.dropout`): a proper, repeatable mask, but not the unsharded call's
-(`keep_mask` gives it). Packed sequences (cu_seqlens) are not supported. Modules: `sharding` (who
-holds which chunk), `ring` (neighbours, transfers), `blocks` (one chunk pair through the module's passes),
-`merge`, `dropout` (the chunk pairs' streams), `schedule` (the two ring passes), `autograd`, `parallel` (the
-user-facing callable).
+with the gathered log-sum-exp, and dK, dV travel with their chunk back to its owner. Dropout draws the unsharded
+call's mask: the kernels key it by absolute positions (relgen.runtime.dropout). Packed sequences (cu_seqlens) are not
+supported. Modules: `sharding` (who holds which chunk), `ring` (neighbours, transfers), `blocks` (one chunk pair
+through the module's passes), `merge`, `schedule` (the two ring passes), `autograd`, `parallel` (the user-facing
+callable).
 """
 
-from relgen.distributed.dropout import keep_mask
 from relgen.distributed.parallel import ContextParallel, context_parallel
 from relgen.distributed.sharding import SHARDINGS, shard, unshard
 
-__all__ = ["SHARDINGS", "ContextParallel", "context_parallel", "keep_mask", "shard", "unshard"]
+__all__ = ["SHARDINGS", "ContextParallel", "context_parallel", "shard", "unshard"]

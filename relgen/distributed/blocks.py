@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from relgen.distributed.dropout import pair_seed
 from relgen.distributed.sharding import Segment
 from relgen.runtime.arguments import Call, prepare_call
 
@@ -29,15 +28,15 @@ ROW_DIMS = (-2, -2, -1)
 class Blocks:
     """The passes of `module` (planned for the gathered length) over chunk pairs of one sharded call.
 
-    `length`: the gathered call's L (identity maps: its tables have 2L − 1 rows); `chunks`: how many chunks the
-    gathered sequence is cut into; `options`: the call's `scale`, `dropout_p`, `dropout_seed` (an int or a
-    one-element tensor: the seed the pairs' seeds derive from)."""
+    `length`: the gathered call's L (identity maps: its tables have 2L − 1 rows); `options`: the call's `scale`,
+    `dropout_p`, `dropout_seed` (an int or a one-element tensor). Every pair draws with the call's seed: dropout
+    keys its stream by absolute positions (relgen.runtime.dropout), so a pair at its offsets draws its part of the
+    gathered call's mask, whatever the sharding and the group size."""
 
-    def __init__(self, module: ModuleType, length: int, chunks: int, options: dict[str, Any]):
+    def __init__(self, module: ModuleType, length: int, options: dict[str, Any]):
         self.module = module
         self.plan = module.PLAN
         self.length = length
-        self.chunks = chunks
         self.scale = options.get("scale")
         self.dropout_p = options.get("dropout_p", 0.0)
         self.seed = options.get("dropout_seed")
@@ -53,7 +52,7 @@ class Blocks:
         pair_length = max(qs.end, ks.end)
         return self.length - pair_length, 2 * pair_length - 1
 
-    def _call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, seed: Any) -> Call:
+    def _call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> Call:
         rows = self.table_rows(qs, ks)
         if rows is not None:
             tables = tuple(
@@ -61,28 +60,24 @@ class Blocks:
             )
         return prepare_call(
             self.plan, q, k, v, *tables, key_padding_mask=kpm, q_offset=qs.start, k_offset=ks.start,
-            dropout_p=self.dropout_p, dropout_seed=seed, scale=self.scale,
+            dropout_p=self.dropout_p, dropout_seed=self.seed, scale=self.scale,
         )  # fmt: skip
 
-    def _pair_call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> Call:
-        seed = pair_seed(self.seed, qs.chunk, ks.chunk, self.chunks) if self.dropout_p else None
-        return self._call(q, k, v, tables, kpm, qs, ks, seed)
-
     def check(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> None:
-        """relgen's own argument checks (each problem a ValueError naming the argument) on one pair of chunks, with
-        the call's seed as given: run before any transfer, so that a bad call fails on every rank alike."""
-        self._call(q, k, v, tables, kpm, qs, ks, self.seed)
+        """relgen's own argument checks (each problem a ValueError naming the argument) on one pair of chunks: run
+        before any transfer, so that a bad call fails on every rank alike."""
+        self._call(q, k, v, tables, kpm, qs, ks)
 
     def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """(O, base-2 lse [B·H·n]) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`."""
-        o, lse2, _, _ = self.module._forward_pass(self._pair_call(q, k, v, tables, kpm, qs, ks), False)
+        o, lse2, _, _ = self.module._forward_pass(self._call(q, k, v, tables, kpm, qs, ks), False)
         return o, lse2
 
     def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2):
         """(dq, dk, dv, (daq, dak, dbias)) of the pair, given the GATHERED call's O and base-2 lse of the queries
         `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
         key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed."""
-        call = self._pair_call(q, k, v, tables, kpm, qs, ks)
+        call = self._call(q, k, v, tables, kpm, qs, ks)
         dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, (None,) * 4)
         return dq, dk, dv, tuple(dtables)
 

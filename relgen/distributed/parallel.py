@@ -42,9 +42,9 @@ class ContextParallel:
     `recompute_projections` is accepted: the ring always recomputes them in its backward. Packed sequences
     (`cu_seqlens`) are not supported.
 
-    Dropout: every (query chunk, key chunk) pair draws from a stream of its own, derived from the seed, so the
-    mask is a proper dropout mask, the same in the forward and the backward and from run to run, but it is not
-    the mask of the unsharded call (except with one chunk) and changes with the group size and the sharding.
+    Dropout: the mask is the unsharded call's (`relgen.testing.dropout_keep_mask` over the gathered sequence, at
+    its offsets), whatever the group size and the sharding: the kernels key it by absolute positions, and every
+    pair of chunks draws with the call's seed at its own offsets.
 
     Every rank must call with the same shapes and options; the results repeat bit for bit for a given group
     size. Eager only: under torch.compile the call runs outside the graph.
@@ -79,7 +79,7 @@ class ContextParallel:
                 int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_seed is None else seed_snapshot(dropout_seed)
             )
         options: dict[str, Any] = {"scale": scale, "dropout_p": dropout_p, "dropout_seed": dropout_seed}
-        blocks = Blocks(module, length, chunk_count(self.sharding, self.ring.size), options)
+        blocks = Blocks(module, length, options)
         first_q, first_k = layout.queries(self.ring)[0], layout.keys(self.ring, self.ring.rank)[0]
         blocks.check(
             first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2), tables,

@@ -323,6 +323,7 @@ def check_call(
         head_dim=d,
         length=length,
         doff=q_offset - k_offset,
+        q_offset=q_offset,
         dtype=q.dtype,
         scale=tau,
         dropout_p=dropout_p,

@@ -1,18 +1,47 @@
 """Attention dropout's random stream, shared by the generated kernels and `relgen.testing.dropout_keep_mask`.
 
-A counter-based generator (Philox 4x32, through `tl.randint4x`) keyed by (seed, b·H + h, i, ⌊j / 4⌋): one call
-draws the numbers of four consecutive keys of a query, so a tile costs a quarter of the Philox calls that one draw
-per score would (the rounds of a call are its cost, and a call always yields four words). The backward pass and
-the testing helper regenerate exactly the mask the forward pass drew, and nothing is stored. The seed reaches the
-kernels as an int, or as a one-element tensor they read (`seed_value`): the same seed draws the same mask either
-way.
+Whether score (b, h, i, j) is kept depends on the seed, b, h and the absolute positions I = i + q_offset and
+J = j + k_offset only: Philox 4x32-10 (Triton's `tl.philox`) with the seed as its key and the counter
+(I, ⌊J / 4⌋, b, h) draws the numbers of four consecutive key positions 4⌊J / 4⌋ … 4⌊J / 4⌋ + 3, word J mod 4 for J.
+So a call draws the same mask whatever its lengths, tiles, tile order, layout or backward path, and a part of a
+sequence (a chunk of a context-parallel call, a query block at an offset) draws exactly its part of the whole
+call's mask. Every coordinate has a 32-bit word of its own (positions stay below relgen.runtime.arguments.MAX_POSITION),
+so no two scores share a number. h is the query head (grouped-query attention included); a packed sequence's b
+is its index in the batch and its positions start at 0.
+
+One Philox call serves four scores when k_offset is a multiple of four: a tile's keys then start on a group
+(DROPOUT_ALIGNED), and a tile costs a quarter of the calls that one draw per score would (the rounds of a call are
+its cost, and a call always yields four words). With any other k_offset a tile's groups straddle its keys, and
+no tiling of consecutive keys into fixed groups of four could serve every offset, so those calls draw one Philox
+call per score and keep word J mod 4 of it (DROPOUT_PER_SCORE): the same mask, at four times the Philox work.
+
+The backward pass and `keep_mask` (relgen.runtime.dropout_stream: torch code, not a kernel) regenerate exactly the mask
+the forward pass drew, and nothing is stored. The seed reaches the kernels as an int, or as a one-element tensor
+they read (`seed_value`): the same seed draws the same mask either way.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from relgen.runtime.dropout_stream import (
+    DROPOUT_ALIGNED,
+    DROPOUT_OFF,
+    DROPOUT_PER_SCORE,
+    dropout_mode,
+    keep_mask,
+)
+
+__all__ = [
+    "DROPOUT_ALIGNED",
+    "DROPOUT_OFF",
+    "DROPOUT_PER_SCORE",
+    "dropout_keep",
+    "dropout_mode",
+    "keep_mask",
+    "seed_value",
+]
 
 
 @triton.jit
@@ -29,51 +58,53 @@ def seed_value(seed):
 def dropout_keep(
     seed,
     bh,
+    H,
     offs_m,
     j_first,
-    Nq,
-    Nk,
+    pos_q,
+    pos_k,
     dropout_p,
     BLOCK_N: tl.constexpr,
     DESCENDING: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    MODE: tl.constexpr,
 ):
-    """Where the scores of batch·head `bh` are kept, for the queries offs_m and the tile's keys j_first + u, or
-    j_first − u when DESCENDING (u = 0 … BLOCK_N − 1; the tile's keys start on a multiple of four): [BM, BN], or
-    [BN, BM] when KEY_MAJOR. Nq, Nk: the counter's sizes (the same in every pass)."""
-    t = tl.arange(0, BLOCK_N // 4)
-    if DESCENDING:  # noqa: SIM108 (constexpr branches: Triton compiles the taken one only)
-        groups = (j_first - 3) // 4 - t
-    else:
-        groups = j_first // 4 + t
-    counter = (bh.to(tl.int64) * Nq + offs_m[:, None]) * ((Nk + 3) // 4) + groups[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
-    # word w of group g is key 4g + w; a tile lists a group's keys up (u = 4t + w) or down (u = 4t + 3 − w), and
-    # join(join(a, c), join(b, d)) lays a, b, c, d out in that order
-    if DESCENDING:  # noqa: SIM108
-        words = tl.join(tl.join(r3, r1), tl.join(r2, r0))
-    else:
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-    uniform = tl.uint_to_uniform_float(tl.reshape(words, [offs_m.shape[0], BLOCK_N]))
+    """Where the scores of batch·head `bh` (H heads) are kept, for the queries offs_m and the tile's keys
+    j_first + u, or j_first − u when DESCENDING (u = 0 … BLOCK_N − 1; a tile's keys start on a multiple of four):
+    [BM, BN], or [BN, BM] when KEY_MAJOR. pos_q, pos_k: the absolute positions of the call's query 0 and key 0
+    (q_offset and k_offset); MODE: DROPOUT_ALIGNED (pos_k a multiple of four) or DROPOUT_PER_SCORE."""
+    rows = offs_m + pos_q  # I
+    # b and h stay scalars: Philox's first round multiplies them once per program, not once per score
+    b = bh // H
+    h = bh % H
+    if MODE == 1:  # DROPOUT_ALIGNED
+        t = tl.arange(0, BLOCK_N // 4)
+        if DESCENDING:  # noqa: SIM108 (constexpr branches: Triton compiles the taken one only)
+            groups = (j_first + pos_k - 3) // 4 - t
+        else:
+            groups = (j_first + pos_k) // 4 + t
+        i_full = tl.broadcast_to(rows[:, None], [offs_m.shape[0], BLOCK_N // 4])
+        g_full = tl.broadcast_to(groups[None, :], [offs_m.shape[0], BLOCK_N // 4])
+        r0, r1, r2, r3 = tl.philox(seed, i_full, g_full, b, h)
+        # word w of group g is key 4g + w; a tile lists a group's keys up (u = 4t + w) or down (u = 4t + 3 − w),
+        # and join(join(a, c), join(b, d)) lays a, b, c, d out in that order
+        if DESCENDING:  # noqa: SIM108
+            words = tl.join(tl.join(r3, r1), tl.join(r2, r0))
+        else:
+            words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+        words = tl.reshape(words, [offs_m.shape[0], BLOCK_N])
+    else:  # DROPOUT_PER_SCORE: key J takes word J mod 4 of its group's call
+        u = tl.arange(0, BLOCK_N)
+        if DESCENDING:  # noqa: SIM108
+            keys = j_first + pos_k - u
+        else:
+            keys = j_first + pos_k + u
+        i_full = tl.broadcast_to(rows[:, None], [offs_m.shape[0], BLOCK_N])
+        g_full = tl.broadcast_to(keys[None, :] // 4, [offs_m.shape[0], BLOCK_N])
+        r0, r1, r2, r3 = tl.philox(seed, i_full, g_full, b, h)
+        w = keys[None, :] % 4
+        words = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
+    uniform = tl.uint_to_uniform_float(words)
     if KEY_MAJOR:
         uniform = tl.trans(uniform)
     return uniform >= dropout_p
-
-
-@triton.jit(do_not_specialize=["seed"])  # as the attention kernels: one compiled kernel for every seed
-def _keep_mask_kernel(OUT, seed, dropout_p, Nq, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m, pid_n, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = dropout_keep(seed, bh, offs_m, pid_n * BLOCK_N, Nq, Nk, dropout_p, BLOCK_N, False, False)
-    ptrs = OUT + (bh.to(tl.int64) * Nq + offs_m[:, None]) * Nk + offs_n[None, :]
-    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < Nq) & (offs_n[None, :] < Nk))
-
-
-def keep_mask(shape: tuple[int, int, int, int], p: float, seed: int, device) -> torch.Tensor:
-    """The bool keep mask [B, H, Nq, Nk] a call with `dropout_p=p, dropout_seed=seed` uses."""
-    b, h, nq, nk = shape
-    out = torch.empty((b, h, nq, nk), dtype=torch.int8, device=device)
-    grid = (triton.cdiv(nq, 32), triton.cdiv(nk, 32), b * h)
-    _keep_mask_kernel[grid](out, seed, float(p), nq, nk, BLOCK_M=32, BLOCK_N=32)
-    return out.bool()

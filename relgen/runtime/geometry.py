@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from relgen.backend import capturing
+from relgen.runtime.dropout_stream import dropout_mode
 from relgen.tiles.configs import KernelConfig, head_block
 
 LOG2E = 1.4426950408889634
@@ -182,6 +183,7 @@ class Geometry:
     rows: int = 0
     wq: int = 0
     wk: int = 0
+    q_offset: int = 0  # the absolute position of query 0 (dropout keys its stream by absolute positions)
 
     @classmethod
     def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
@@ -214,6 +216,11 @@ class Geometry:
     def kv_group(self) -> int:
         """Query heads per key/value head (1: ordinary multi-head attention)."""
         return self.heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def dropout_mode(self) -> int:
+        """The kernels' DROPOUT constexpr (relgen.runtime.dropout_stream.dropout_mode)."""
+        return dropout_mode(self.dropout_p, self.q_offset - self.doff)
 
     @property
     def block_d(self) -> int:
