@@ -12,15 +12,16 @@ Each buffer has an upper bound β on |entry| that follows from the inputs alone:
 
 `row_norm_bounds` writes the maxima (fp32 atomic maxima, so the result does not depend on the programs' order)
 into a small tensor that the kernels read; each kernel turns them into β and β into the scale with `pow2_scales`:
-2^-s with s = e(β) − 141, where e(β) is β's biased fp32 exponent, so β·2^-s < 2^15, half of fp16's largest
-number (the margin covers the rounding of the bound itself). Writers multiply by 2^-s before the fp16 store,
-readers by 2^s after the load: multiplications by powers of two, exact in fp32.
+2^-s is the largest power of two with β·2^-s ≤ STORE_LIMIT = 65248 = 65504 − 256, fp16's largest number less
+a margin for the rounding of the bound itself (an fp32 sum over d terms: relative 10⁻⁵ at d = 256). Writers
+multiply by 2^-s before the fp16 store, readers by 2^s after the load: multiplications by powers of two, exact.
 
 The scale also lifts small buffers (s < 0): a buffer whose entries are all tiny (e.g. dZ̃ for a small dO) keeps
-them in fp16's normal range rather than among its subnormals. An entry is therefore stored at least as precisely
-as an unscaled fp16 store would store it whenever that store does not overflow: relative error 2⁻¹¹ for every
-|entry| ≥ 2^-14·2^s, absolute error ≤ 2^(s−25) below, where 2^s < β·2^-14, i.e. an underflow of at most β·2⁻³⁹
-against the buffer's own bound. Nothing is read back on the host, so calls stay capturable in CUDA graphs.
+them in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an unscaled fp16 store
+could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store would store it.
+Otherwise entries keep fp16's relative error 2⁻¹¹ down to |entry| ≥ 2^-14·2^s and have an absolute error
+≤ 2^(s−25) below, where 2^s < β/2^15: an underflow of at most β·2⁻⁴⁰, against the buffer's own bound. Nothing is
+read back on the host, so calls stay capturable in CUDA graphs.
 
 bf16 inputs whose products exceed fp32's range (|x·a| > 3.4·10³⁸) overflow in the kernels' fp32 accumulators
 whatever the storage; s is clamped to [−100, 114] so that 2^±s stay normal fp32 numbers for every bound."""
@@ -31,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+#: the most a scaled entry may reach: fp16's largest number 65504 less 256 (0.4 %)
+STORE_LIMIT = tl.constexpr(65248.0)
 #: rows each program of `_row_norm_kernel` reads at a time
 _BLOCK_ROWS = 64
 #: programs per tensor: enough to stream a large one at full bandwidth, each looping over its share of rows
@@ -38,13 +41,19 @@ _MAX_PROGRAMS = 1024
 
 
 @triton.jit
+def _pow2(s):
+    """2^s for an integer s in [−126, 127]: the fp32 number with that exponent and no mantissa bits (exact)."""
+    return ((127 + s) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pow2_scales(bound):
-    """(2^-s, 2^s) for a buffer whose entries are at most `bound` (fp32 scalar) in magnitude: see the module."""
-    exponent = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    s = tl.minimum(tl.maximum(exponent - 141, -100), 114)
-    down = ((127 - s) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
-    return down, up
+    """(2^-s, 2^s) for a buffer whose entries are at most `bound` (an fp32 scalar) in magnitude: 2^-s is the
+    largest power of two with bound·2^-s ≤ STORE_LIMIT, s clamped to [−100, 114] (see the module)."""
+    exponent = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF  # bound ∈ [2^(e−127), 2^(e−126))
+    s = tl.minimum(tl.maximum(exponent - 142, -100), 114)  # unclamped: bound·2^-s ∈ [2^15, 2^16)
+    s = tl.minimum(s + (bound * _pow2(-s) > STORE_LIMIT).to(tl.int32), 114)
+    return _pow2(-s), _pow2(s)
 
 
 @triton.jit
