@@ -5,7 +5,8 @@ Each buffer has an upper bound β on |entry| that follows from the inputs alone:
 
 * Z̃^Q = q·ã^Q (+ b̃ where folded): |q_i·ã_s + b̃_s| ≤ max_i ‖q_i‖ · max_r ‖a_r‖ + max_r |b_r| (Cauchy–Schwarz; the
   expanded rows ã_s are copies of the table's rows a_r). Z̃^K alike with k and ã^K.
-* dZ̃ holds τ·dS summed over pairs that share a column (docs/algorithm.md, section "Stored projections in fp16").
+* dZ̃ holds τ·dS summed over pairs that share a column (docs/algorithm.md, sections 5 and 7,
+  derive both bounds).
   With dP_ij = dO_i·v_j, D_i = dO_i·O_i and P'_ij = P_ij·keep_ij/(1 − p): |dS_ij| ≤ 2·P_ij·‖dO_i‖·max‖v‖/(1 − p),
   so an entry of a query row is at most β_Q = 2τ·max‖dO‖·max‖v‖/(1 − p) (Σ_j P_ij ≤ 1), and one of a key row
   at most Nq·β_Q (it sums over up to Nq queries).
@@ -20,7 +21,7 @@ The scale also lifts small buffers (s < 0): a buffer whose entries are all tiny 
 them in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an unscaled fp16 store
 could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store would store it.
 Otherwise entries keep fp16's relative error 2⁻¹¹ down to |entry| ≥ 2^-14·2^s and have an absolute error
-≤ 2^(s−25) below, where 2^s < β/2^15: an underflow of at most β·2⁻⁴⁰, against the buffer's own bound. Nothing is
+≤ 2^(s−25) below, where 2^s < β/32624: an underflow of at most β·2⁻⁴⁰, against the buffer's own bound. Nothing is
 read back on the host, so calls stay capturable in CUDA graphs.
 
 bf16 inputs whose products exceed fp32's range (|x·a| > 3.4·10³⁸) overflow in the kernels' fp32 accumulators
