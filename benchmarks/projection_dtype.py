@@ -1,14 +1,14 @@
-"""What the storage of the stored projections costs on a GPU: fp32 (the default) against fp16 (checked on the host).
+"""What the storage of the stored projections costs on a GPU: fp16 (the default, scaled on the device) against fp32.
 
 python benchmarks/projection_dtype.py [--specs shaw,txl,deberta_v3,t5] [--seq-lens 1024,8192] [--dtypes fp16,bf16]
-    [--storages fp32,fp16] [--warmup 10] [--reps 50] [--out RESULT.md] [--json RESULT.jsonl]
+    [--storages fp16,fp32] [--warmup 10] [--reps 50] [--out RESULT.md] [--json RESULT.jsonl]
 
 For each input dtype, spec, length N (B = 16K tokens / N, H = 12, d = 64, tables in the inputs' dtype) and storage
 (relgen.config.set_projection_storage), it times the forward and a forward + backward step with torch.cuda.Event
 pairs around each call after `--warmup` calls, and reads the peak memory a call allocates above its inputs
-(torch.cuda.max_memory_allocated). The fp16 storage reads its overflow checks back on the host inside the call,
-so its times include that synchronisation, as a caller's would. Prints a Markdown table with the date, the commit
-and the GPU.
+(torch.cuda.max_memory_allocated). The fp16 storage's times include the launches that bound each buffer and choose
+its scale on the device (relgen.runtime.scales); nothing synchronises. Prints a Markdown table with the date, the commit
+and the GPU; the last two columns divide each case's times by the fp32 storage's.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
+from relgen.runtime.scales import pow2_scales, row_norm_bounds
 
 SPEC_NAME = "shaw"
 SPEC_HASH = "98fa864eb8acca10"
@@ -267,12 +268,39 @@ def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.const
 
 
 @triton.jit
-def _ends(E, offs, ok):
+def _ends(E, offs, ok, up):
     """Per-token entries at the two saturated columns, C − 1 and 0, from the compact end buffer [token, 2]
-    (0 where a token's window does not reach that column): one contiguous load per tile instead of one row each."""
-    hi = tl.load(E + offs * 2, mask=ok, other=0.0).to(tl.float32)
-    lo = tl.load(E + offs * 2 + 1, mask=ok, other=0.0).to(tl.float32)
+    (0 where a token's window does not reach that column): one contiguous load per tile instead of one row each.
+    `up`: the buffer's storage scale 2^s (see _z_scales)."""
+    hi = tl.load(E + offs * 2, mask=ok, other=0.0).to(tl.float32) * up
+    lo = tl.load(E + offs * 2 + 1, mask=ok, other=0.0).to(tl.float32) * up
     return hi, lo
+
+
+@triton.jit
+def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
+    """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
+    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| that relgen.runtime.scales wrote to BOUNDS before the
+    projections ran; fp32 ones hold Z̃ itself."""
+    if E.dtype.element_ty == tl.float16:
+        side = BOUNDS + (0 if SIGN == 1 else 3)
+        return pow2_scales(tl.load(side) * tl.load(side + 1) + tl.load(side + 2))
+    else:
+        return 1.0, 1.0
+
+
+@triton.jit
+def _dz_scales(DZ_BOUNDS, DZ, Nq, KEY_SIDE: tl.constexpr):
+    """(2^-s, 2^s): how dZ̃^Q (or dZ̃^K when KEY_SIDE) is stored. An fp16 buffer holds dZ̃·2^-s, s from the bound
+    2τ·max‖dO‖·max‖v‖/(1 − p) of a query row's entries (DZ_BOUNDS: its two factors), times Nq for a key row's
+    (relgen.runtime.scales); an fp32 buffer holds dZ̃ itself."""
+    if DZ.dtype.element_ty == tl.float16:
+        bound = tl.load(DZ_BOUNDS) * tl.load(DZ_BOUNDS + 1)
+        if KEY_SIDE:
+            bound = bound * Nq
+        return pow2_scales(bound)
+    else:
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -289,12 +317,12 @@ def _end_shift(row_end, b_end):
 
 
 @triton.jit
-def _query_ends(E, offs_m, row_ok):
-    return _ends(E, offs_m, row_ok)
+def _query_ends(E, offs_m, row_ok, up):
+    return _ends(E, offs_m, row_ok, up)
 
 
 @triton.jit
-def _key_ends(E, offs_n, col_ok):
+def _key_ends(E, offs_n, col_ok, up):
     return 0.0, 0.0  # no key term
 
 
@@ -371,6 +399,8 @@ def _score_tile(
     ZSQ,
     ZSK,
     qk_scale,
+    zq_up,
+    zk_up,
     BLOCK_N: tl.constexpr,
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
@@ -382,7 +412,8 @@ def _score_tile(
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
-    row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends).
+    row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends). zq_up, zk_up: the
+    storage scales 2^s of Z̃^Q and Z̃^K (_z_scales), by which the band entries read from them are multiplied.
     The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. CLIP: an edge tile reads its entries at
     the clipped columns (_clamped_run), which only the forward does (GenerationFlags.clip_band says where)."""
     if KEY_MAJOR:
@@ -405,10 +436,13 @@ def _score_tile(
         # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0) from key j_hi on
         if CLAMP:
             rows = _along_queries(zq_bh + tl.minimum(offs_m, Nq - 1) * ZSQ, KEY_MAJOR)
-            rel = _clamped_run(rows, offs_m + (DOFF - j_hi - LOW - s0), u, WQ, KEY_MAJOR).to(tl.float32)
+            rel = _clamped_run(rows, offs_m + (DOFF - j_hi - LOW - s0), u, WQ, KEY_MAJOR).to(tl.float32) * zq_up
         else:
             run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-            rel = _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
+            rel = (
+                _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
+                * zq_up
+            )
         if EDGE and not CLAMP:
             rel += tl.where(
                 above,
@@ -448,6 +482,7 @@ def _project_columns(
     W,
     w_lo,
     w_hi,
+    down,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -456,7 +491,8 @@ def _project_columns(
 ):
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
     head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
-    compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0)."""
+    compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0).
+    Entries are stored times `down` = 2^-s (the buffer's storage scale, _z_scales)."""
     offs_d = tl.arange(0, BLOCK_D)
     hi_col = C - 1 - start  # the end columns' places in this group's window
     lo_col = -start
@@ -475,6 +511,7 @@ def _project_columns(
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
+        z = z * down
         tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
         if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
             tl.store(
@@ -498,6 +535,7 @@ def _project_kernel(
     BIAS,
     Z,
     ENDS,
+    BOUNDS,
     CU,
     CU_K,
     sx_b,
@@ -543,6 +581,7 @@ def _project_kernel(
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
     x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+    down, _ = _z_scales(BOUNDS, ENDS, SIGN)
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     _project_columns(
@@ -557,6 +596,7 @@ def _project_kernel(
         W,
         pid_w * cols_per_program,
         tl.minimum((pid_w + 1) * cols_per_program, ZS),
+        down,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -594,6 +634,8 @@ def _fwd_range(
     row_lo,
     b_hi,
     b_lo,
+    zq_up,
+    zk_up,
     lo,
     hi,
     bh,
@@ -642,7 +684,7 @@ def _fwd_range(
             k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
-        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
+        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk, zk_up)
         x, c = _score_tile(
             q,
             k,
@@ -672,6 +714,8 @@ def _fwd_range(
             ZSQ,
             ZSK,
             qk_scale,
+            zq_up,
+            zk_up,
             BLOCK_N,
             MODE,
             MASKED,
@@ -709,6 +753,7 @@ def _attn_fwd_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     COPY_MAP,
@@ -795,6 +840,8 @@ def _attn_fwd_kernel(
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
     V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
+    zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
     # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
     # launch, and the band tiles below gather them back from cache instead of HBM
     _project_columns(
@@ -809,6 +856,7 @@ def _attn_fwd_kernel(
         WQ,
         0,
         ZSQ,
+        zq_down,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -816,7 +864,7 @@ def _attn_fwd_kernel(
         PREC,
     )
     tl.debug_barrier()  # other threads of this program read those stores back
-    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -866,6 +914,8 @@ def _attn_fwd_kernel(
         row_lo,
         b_hi,
         b_lo,
+        zq_up,
+        zk_up,
     )
     # the band first: its gathers of Z̃^Q come while those rows are freshest in cache (the softmax is order-free;
     # H200, Shaw 8K: 1.24 → 1.23 ms, DeBERTa 512: 0.561 → 0.553)
@@ -1092,7 +1142,10 @@ def _bwd_q_range(
     row_lo,
     b_hi,
     b_lo,
+    zq_up,
+    zk_up,
     dzq_rows,
+    dz_down,
     copy_map,
     lo,
     hi,
@@ -1133,7 +1186,7 @@ def _bwd_q_range(
         k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
-        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk)
+        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk, zk_up)
         x, c = _score_tile(
             q,
             k,
@@ -1163,6 +1216,8 @@ def _bwd_q_range(
             ZSQ,
             ZSK,
             qk_scale,
+            zq_up,
+            zk_up,
             BLOCK_N,
             MODE,
             MASKED,
@@ -1191,7 +1246,9 @@ def _bwd_q_range(
             EDGE: tl.constexpr = MODE == BAND
             interior = (delta > LOW) & (delta < HIGH)
             run = dzq_rows + offs_m + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-            _band_store(run[:, None] + u[None, :], tds.to(dzq_rows.dtype.element_ty), pair_ok & interior, EDGE)
+            _band_store(
+                run[:, None] + u[None, :], (tds * dz_down).to(dzq_rows.dtype.element_ty), pair_ok & interior, EDGE
+            )
             if EDGE:
                 lo_sum += tl.sum(tl.where(delta <= LOW, tds, 0.0), 1)
                 hi_sum += tl.sum(tl.where((delta >= HIGH) & (delta > LOW), tds, 0.0), 1)
@@ -1211,10 +1268,12 @@ def _attn_bwd_q_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DQ,
     DZQ,
+    DZ_BOUNDS,
     COPY_MAP,
     CU,
     CU_K,
@@ -1307,7 +1366,10 @@ def _attn_bwd_q_kernel(
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
     V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
-    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok)
+    _, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    dz_down, _ = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -1356,7 +1418,10 @@ def _attn_bwd_q_kernel(
         row_lo,
         b_hi,
         b_lo,
+        zq_up,
+        zk_up,
         dzq_rows,
+        dz_down,
         COPY_MAP,
     )
     dq, hi_sum, lo_sum = _bwd_q_range(
@@ -1483,7 +1548,7 @@ def _attn_bwd_q_kernel(
     first = tl.maximum(offs_m + DOFF - j_last - LOW - s0, -s0)
     last = tl.minimum(offs_m + DOFF - LOW - s0, C - 1 - s0)
     _zero_unreached(dzq_rows, first, last, row_ok, WDZ, BLOCK_N)
-    _store_boundary_sums(dzq_rows, hi_sum, lo_sum, row_ok, s0, C, WDZ, COPY_MAP)
+    _store_boundary_sums(dzq_rows, hi_sum * dz_down, lo_sum * dz_down, row_ok, s0, C, WDZ, COPY_MAP)
 
 
 @triton.jit
@@ -1544,7 +1609,10 @@ def _bwd_kv_range(
     col_lo,
     b_hi,
     b_lo,
+    zq_up,
+    zk_up,
     dzk_rows,
+    dz_down,
     copy_map,
     lo,
     hi,
@@ -1591,7 +1659,7 @@ def _bwd_kv_range(
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         Di = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
         s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, q_win_base, C, WQ)
-        row_hi, row_lo = _query_ends(ZQE_b, offs_m, row_ok)
+        row_hi, row_lo = _query_ends(ZQE_b, offs_m, row_ok, zq_up)
         x, c = _score_tile(
             q,
             k,
@@ -1621,6 +1689,8 @@ def _bwd_kv_range(
             ZSQ,
             ZSK,
             qk_scale,
+            zq_up,
+            zk_up,
             BLOCK_N,
             MODE,
             MASKED,
@@ -1657,11 +1727,13 @@ def _attn_bwd_kv_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DK,
     DV,
     DZK,
+    DZ_BOUNDS,
     COPY_MAP,
     CU,
     CU_K,
@@ -1744,6 +1816,9 @@ def _attn_bwd_kv_kernel(
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     kpm_b = KPM + b * skpm_b
+    _, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    dz_down, _ = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     m_in, m_out = _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
 
@@ -1758,7 +1833,7 @@ def _attn_bwd_kv_kernel(
         zk_bh = ZK + row_k.to(tl.int64) * ZSK
         dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
         bias_h = BIAS + h * sbias_h
-        col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok)
+        col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok, zk_up)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
         Q_bh = Q + b * sq_b + h * sq_h + tok_q * sq_n
         DO_bh = DO + b * sdo_b + h * sdo_h + tok_q * sdo_n
@@ -1808,7 +1883,10 @@ def _attn_bwd_kv_kernel(
             col_lo,
             b_hi,
             b_lo,
+            zq_up,
+            zk_up,
             dzk_rows,
+            dz_down,
             COPY_MAP,
         )
         dk, dv, hi_sum, lo_sum = _bwd_kv_range(
@@ -1962,6 +2040,7 @@ def _attn_bwd_kv_kernel(
 @triton.jit
 def _reduce_tokens_kernel(
     DZ,
+    DZ_BOUNDS,
     TABLE,
     DX,
     CU,
@@ -2010,6 +2089,7 @@ def _reduce_tokens_kernel(
     x_rows = b * sdx_b + hx * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
     x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
+    _, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)
     for g in range(0, X_GROUP):
         h = hx * X_GROUP + g
         _, _, _, _, row_q, row_k, _ = _sequence(
@@ -2029,7 +2109,7 @@ def _reduce_tokens_kernel(
             )
             if FP32_DZ:
                 a = a.to(tl.float32)
-            acc += tl.dot(dz, a, input_precision=PREC)
+            acc += tl.dot(dz, a, input_precision=PREC) * up
     tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=x_ok)
 
 
@@ -2037,6 +2117,7 @@ def _reduce_tokens_kernel(
 @triton.jit
 def _reduce_table_kernel(
     DZ,
+    DZ_BOUNDS,
     X,
     DT_PART,
     DB_PART,
@@ -2123,6 +2204,9 @@ def _reduce_table_kernel(
                         acc += tl.dot(tl.trans(dz), x, input_precision=PREC)
                     if HAS_DB:
                         acc_b += tl.sum(dz.to(tl.float32), 0)
+    _, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)
+    acc = acc * up
+    acc_b = acc_b * up
     n_heads = tl.num_programs(1)
     part = (pid_c * n_heads + pid_h).to(tl.int64) * C
     s_ok = offs_s < C
@@ -2216,8 +2300,9 @@ def _projection_buffers(geo, query_side, device):
     return z, torch.empty((geo.token_rows(query_side), 2), device=device, dtype=geo.z_dtype)
 
 
-def _project(x, table, bias, geo, cfg, query_side):
-    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns."""
+def _project(x, table, bias, bounds, geo, cfg, query_side):
+    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns (stored scaled
+    by the bound in `bounds` when fp16: see _z_scales)."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
     z, ends = _projection_buffers(geo, query_side, x.device)
@@ -2232,6 +2317,7 @@ def _project(x, table, bias, geo, cfg, query_side):
         bias if bias is not None else table,
         z,
         ends,
+        _or(bounds, z),
         *geo.cu_seqlens_or(z),
         *_strides(x),
         geo.table_head_stride(table),
@@ -2260,13 +2346,27 @@ def _project(x, table, bias, geo, cfg, query_side):
 
 
 def _projections(q, k, expanded, geo, cfg, for_forward=False):
-    """(Z̃^Q, Z̃^K, their end columns); None for a side the spec does not have.
+    """(Z̃^Q, Z̃^K, their end columns, the bounds their fp16 storage is scaled by); None for a side the spec does
+    not have, and for the bounds of an fp32 storage.
     for_forward: Z̃^Q's buffers only, which the forward kernel fills (gen.fused_zq)."""
     zq = zk = zqe = zke = None
+    bounds = _projection_bounds(q, k, expanded, geo)
     zq, zqe = (
-        _projection_buffers(geo, True, q.device) if for_forward else _project(q, expanded.aq, None, geo, cfg, True)
+        _projection_buffers(geo, True, q.device)
+        if for_forward
+        else _project(q, expanded.aq, None, bounds, geo, cfg, True)
     )
-    return zq, zk, zqe, zke
+    return zq, zk, zqe, zke, bounds
+
+
+def _projection_bounds(q, k, expanded, geo):
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each) that an fp16 storage scales
+    them by (_z_scales), computed on the device; None when Z̃ is stored in fp32."""
+    if geo.z_dtype != torch.float16 or not True:
+        return None
+    bounds = torch.zeros(6, device=q.device, dtype=torch.float32)
+    row_norm_bounds(bounds[0:3], q, 1.0, expanded.aq.reshape(-1, geo.head_dim), None)
+    return bounds
 
 
 def _scalar_args(geo):
@@ -2346,8 +2446,9 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     return o, lse2
 
 
-def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
-    """dX += dZ̃·Ã (tokens, in place), and dÃ, db̃ by chunk partials summed in a fixed order (columns)."""
+def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_bias):
+    """dX += dZ̃·Ã (tokens, in place), and dÃ, db̃ by chunk partials summed in a fixed order (columns). dz_bounds:
+    what an fp16 dZ̃ is scaled by (_dz_scales)."""
     ntok = geo.nq if query_side else geo.nk
     red = geo.reduction(query_side)
     c = cfg.reduce
@@ -2358,6 +2459,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
         grid = (_rt.cdiv(ntok, c.block_t), geo.batch * geo.heads // x_group)
         _reduce_tokens_kernel[grid](
             dz,
+            dz_bounds,
             table,
             dx,
             *cu,
@@ -2391,6 +2493,7 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
     grid = (_rt.cdiv(red.columns, c.block_s), heads, chunks)
     _reduce_table_kernel[grid](
         dz,
+        dz_bounds,
         x,
         dt_part,
         db_part,
@@ -2426,6 +2529,14 @@ def _reduce(dz, x, table, dx, geo, cfg, query_side, want_table, want_bias):
         return part[0] if chunks == 1 else part.sum(0)
 
     return (total(dt_part) if want_table else None), (total(db_part) if want_bias else None)
+
+
+def _gradient_bounds(do, v, geo):
+    """The two factors of the bound on a query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖, computed on
+    the device for an fp16 dZ̃ (_dz_scales)."""
+    bounds = torch.zeros(2, device=do.device, dtype=torch.float32)
+    row_norm_bounds(bounds, do, 2.0 * geo.scale / (1.0 - geo.dropout_p), v)
+    return bounds
 
 
 def _fold(dt, db, table_like, bias_like, geo):
@@ -2486,6 +2597,7 @@ def _backward(do, saved, geo, cfg):
         VARLEN=geo.varlen,
     )
     dz = geo.gradient_buffer(q.device)
+    dz_bounds = _gradient_bounds(do, v, geo) if dz.dtype == torch.float16 else dummy
     bias_vec = None
     common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = dummy
@@ -2517,6 +2629,7 @@ def _backward(do, saved, geo, cfg):
         *common,
         dq,
         dzq,
+        dz_bounds,
         copy_map,
         *cu,
         *_strides(q),
@@ -2534,8 +2647,7 @@ def _backward(do, saved, geo, cfg):
         **_tiles(c),
     )
     daq = dbias = dak = None
-    geo.check_gradient(dzq, True)
-    dt, db = _reduce(dzq, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=True, want_bias=False)
+    dt, db = _reduce(dzq, dz_bounds, q, expanded.aq_reduce, dq, geo, cfg, True, want_table=True, want_bias=False)
     daq, dbias = _fold(dt, db, aq, bias, geo)
     key_units = dz.units(False)
     dzk = dummy
@@ -2559,6 +2671,7 @@ def _backward(do, saved, geo, cfg):
         dk,
         dv,
         dzk,
+        dz_bounds,
         copy_map,
         *cu,
         *_strides(q),
@@ -2589,8 +2702,7 @@ def _forward_pass(call, keep_projections):
     expanded = geo.expand(call.aq, call.ak, call.bias)
     projections = _projections(call.q, call.k, expanded, geo, geo.config, for_forward=True)
     o, lse2 = _forward(call.q, call.k, call.v, projections, expanded, call.kpm, geo, geo.config)
-    geo.check_stored(projections)  # fp16 storage only: no entry left fp16's range
-    return o, lse2, projections if keep_projections else (None,) * 4, expanded
+    return o, lse2, projections if keep_projections else (None,) * len(projections), expanded
 
 
 def _backward_pass(do, call, o, lse2, projections, expanded=None):
@@ -2610,7 +2722,10 @@ def _kept_buffers(geo, device):
     """The buffers _forward_pass keeps, unwritten: their shapes for the compiler (relgen.runtime.custom_ops)."""
     zq = zk = zqe = zke = None
     zq, zqe = _projection_buffers(geo, True, device)
-    return zq, zk, zqe, zke
+    bounds = None
+    if geo.z_dtype == torch.float16:
+        bounds = torch.empty(6, device=device, dtype=torch.float32)
+    return zq, zk, zqe, zke, bounds
 
 
 class _Attention(torch.autograd.Function):

@@ -318,7 +318,7 @@ def test_forward_writes_the_projection_kernels_rows(name, nq, nk):
     call = prepare_call(module.PLAN, inputs.q, inputs.k, inputs.v, *tables)
     geo = call.geo
     expanded = geo.expand(call.aq, call.ak, call.bias)
-    zq, _, zqe, _ = module._projections(call.q, call.k, expanded, geo, geo.config)
+    zq, _, zqe, _, _ = module._projections(call.q, call.k, expanded, geo, geo.config)
     fused = module._projections(call.q, call.k, expanded, geo, geo.config, for_forward=True)
     module._forward(call.q, call.k, call.v, fused, expanded, call.kpm, geo, geo.config)
     width = geo.projection_columns(True)[1]

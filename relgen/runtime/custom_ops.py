@@ -35,8 +35,9 @@ from relgen.runtime.arguments import Call, capturing, check_layout, heads_major,
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
 
-#: (Z̃^Q, Z̃^K, Z̃^Q's end columns, Z̃^K's end columns), None where absent — what the forward keeps for the backward
-Projections = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+#: (Z̃^Q, Z̃^K, Z̃^Q's end columns, Z̃^K's end columns, the bounds an fp16 Z̃ is scaled by), None where absent —
+#: what the forward keeps for the backward
+Projections = tuple[torch.Tensor | None, ...]
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,9 @@ def _define(stem: str, passes: Passes) -> Callable[..., tuple[torch.Tensor, torc
                        seed_tensor, scale, layout)  # fmt: skip
         o = torch.empty_like(call.q)  # as the forward pass allocates it (its strides follow q's)
         lse2 = torch.empty(call.geo.token_rows(True), device=q.device, dtype=torch.float32)
-        projections = passes.buffers(call.geo, q.device) if keep else (None,) * 4
+        projections = passes.buffers(call.geo, q.device)
+        if not keep:
+            projections = (None,) * len(projections)
         return heads_major(o, layout), lse2, _kept(projections, lse2)
 
     @torch.library.custom_op(f"{NAMESPACE}::{stem}_backward", mutates_args=(), schema=BACKWARD_SCHEMA)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from relgen.backend import capturing
 from relgen.runtime.dropout_stream import dropout_mode
 from relgen.tiles.configs import KernelConfig, head_block
 
@@ -259,15 +258,15 @@ class Geometry:
 
     @property
     def z_dtype(self) -> torch.dtype:
-        """Z̃'s storage: fp32, or fp16 for half-precision inputs under the fp16 projection storage (relgen.config),
-        where check_stored reports an entry that left fp16's range. Never bf16: its 8-bit significand would round
-        the relation terms more coarsely than the inputs' own products."""
+        """Z̃'s storage: fp16 for half-precision inputs under the fp16 projection storage (relgen.config), scaled by
+        a power of two so that no entry overflows (relgen.runtime.scales), else fp32. Never bf16: its 8-bit significand
+        would round the relation terms more coarsely than the inputs' own products."""
         return torch.float16 if self.fp16_storage and self.dtype != torch.float32 else torch.float32
 
     @property
     def dz_dtype(self) -> torch.dtype:
-        """dZ̃'s storage: fp32, or fp16 for fp16 inputs on the offset path under the fp16 projection storage
-        (check_gradient reports an overflow). fp32 on the atomic path (it adds in fp32), and for bf16 inputs in
+        """dZ̃'s storage: fp32, or fp16 for fp16 inputs on the offset path under the fp16 projection storage (scaled
+        like Z̃: relgen.runtime.scales). fp32 on the atomic path (it adds in fp32), and for bf16 inputs in
         either storage: a row's boundary column holds the sum over all its saturated pairs, and bf16's 8-bit
         significand rounds it coarsely enough that a bucket whose gradient cancels (decoding, one query row)
         misses the criterion (seen on the H200: T5 decoder, Nq = 1, N = 4096)."""
@@ -392,52 +391,6 @@ class Geometry:
 
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:
         return GradientBuffer(self, device)
-
-    # overflow checks of the fp16 storage ------------------------------------------------------------------
-    def check_stored(self, projections: tuple[torch.Tensor | None, ...]) -> None:
-        """Under the fp16 projection storage, a ValueError naming the tensor when an entry of Z̃^Q or Z̃^K (x·ã,
-        with b̃ where folded) left fp16's range: it was stored as inf, and the scores would have been NaN. Reads
-        a flag back from the device: one synchronisation."""
-        if self.z_dtype != torch.float16:
-            return
-        zq, zk, zq_ends, zk_ends = projections
-        # in-tile relation products keep the expanded tables (the inputs' own values) where Z̃ would be
-        stored = self.plan.relations != "in_tile"
-        for name, query_side, z, ends in (("q", True, zq, zq_ends), ("k", False, zk, zk_ends)):
-            width = self.projection_columns(query_side)[1]
-            parts = [ends, z[:, :width] if stored and z is not None else None]
-            if _any_inf([t for t in parts if t is not None]):
-                side, table = ("Q", "aq") if query_side else ("K", "ak")
-                raise ValueError(
-                    f"{name}: the stored projection Z̃^{side} = {name}·Ã^{side} (+ b̃) has entries beyond fp16's range "
-                    f"(|x| > 65504), or {name} / {table} hold inf; the fp16 projection storage cannot represent "
-                    f"them: store projections in fp32 (relgen.config.set_projection_storage('fp32'), the default)"
-                )
-
-    def check_gradient(self, dz: torch.Tensor, query_side: bool) -> None:
-        """Under the fp16 projection storage, a ValueError when the backward's dZ̃ (its window columns) holds an
-        entry beyond fp16's range, which the token and table reductions would carry into every gradient."""
-        if self.dz_dtype != torch.float16:
-            return
-        if _any_inf([dz[:, : self.reduction(query_side).width]]):
-            side = "Q" if query_side else "K"
-            raise ValueError(
-                f"dZ̃^{side}: the gradient of the stored projection Z̃^{side} has entries beyond fp16's range "
-                f"(|x| > 65504), or the incoming gradient holds inf; the fp16 projection storage cannot represent "
-                f"them: store projections in fp32 (relgen.config.set_projection_storage('fp32'), the default)"
-            )
-
-
-def _any_inf(tensors: list[torch.Tensor]) -> bool:
-    """Whether any of `tensors` holds ±inf: the mark an fp32 value beyond fp16's range leaves when stored as fp16.
-    One read back to the host, which a CUDA graph being captured cannot do."""
-    if capturing():
-        raise NotImplementedError(
-            "the fp16 projection storage checks its buffers on the host, which CUDA graph capture cannot do: store "
-            "projections in fp32 (relgen.config.set_projection_storage('fp32'), the default)"
-        )
-    found = [torch.isinf(t).any() for t in tensors if t.numel()]
-    return bool(torch.stack(found).any()) if found else False
 
 
 def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import os
 
-#: "fp32": Z̃ and dZ̃ in fp32 for fp16 and bf16 inputs: nothing overflows nor is rounded to fp16, no host check.
-#: "fp16": Z̃ (and dZ̃ for fp16 inputs on the offset path) in fp16, half the buffers' memory and band-gather bytes;
-#: every call then checks on the host that no entry left fp16's range (one device synchronisation per pass) and
-#: raises a ValueError naming the tensor if one did, so it is refused under CUDA graph capture.
-PROJECTION_STORAGES = ("fp32", "fp16")
+#: "fp16" (the default): Z̃ (and dZ̃ for fp16 inputs on the offset path) in fp16, half the buffers' memory and
+#: band-gather bytes of fp32, each buffer scaled by a power of two that the device derives from a bound on its
+#: entries before writing it, so that no entry overflows for any finite input (relgen.runtime.scales); no host
+#: check. "fp32": Z̃ and dZ̃ in fp32 for fp16 and bf16 inputs, unscaled.
+PROJECTION_STORAGES = ("fp16", "fp32")
 #: the environment variable that chooses the storage at start-up
 PROJECTION_STORAGE_ENV = "RELGEN_PROJECTION_STORAGE"
 _storage: list[str] = []
 
 
 def projection_storage() -> str:
-    """The storage calls use now: set_projection_storage's, else $RELGEN_PROJECTION_STORAGE, else "fp32"."""
+    """The storage calls use now: set_projection_storage's, else $RELGEN_PROJECTION_STORAGE, else "fp16"."""
     if not _storage:
-        mode = os.environ.get(PROJECTION_STORAGE_ENV) or "fp32"
+        mode = os.environ.get(PROJECTION_STORAGE_ENV) or "fp16"
         if mode not in PROJECTION_STORAGES:
             raise ValueError(f"{PROJECTION_STORAGE_ENV}: expected one of {PROJECTION_STORAGES}, got {mode!r}")
         _storage.append(mode)
