@@ -103,7 +103,7 @@ def copy_of(mha, module: torch.nn.Module, dtype: torch.dtype = torch.float32, **
 def positions(mha, x: torch.Tensor, cache_len: int = 0) -> torch.Tensor:
     """NeMo's pos_emb for x: [1, 2L − 1, d_model], relative positions L − 1 … −(L − 1), L = T + cache_len."""
     encoding = mha.RelPositionalEncoding(d_model=x.shape[-1], dropout_rate=0.0, xscale=None)
-    encoding.extend_pe(64, x.device, torch.float32)
+    encoding.extend_pe(max(64, x.shape[1] + cache_len), x.device, torch.float32)
     return encoding(x, cache_len=cache_len)[1]
 
 
@@ -178,7 +178,7 @@ def compare(patched, reference, inputs, cache=None) -> list[str]:
     if cache is not None:
         (out, new_cache), (expected, expected_cache) = out, expected
         assert torch.equal(new_cache.double(), expected_cache)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
     (out * weights).sum().backward()
     (expected * weights.double()).sum().backward()
     results = [check_close(out, expected, torch.float32, "output"), check_close(xs.grad, xr.grad, torch.float32, "dx")]
@@ -318,6 +318,21 @@ def test_streaming_cache_step_with_limited_context(mha, context):
     cache = torch.randn(2, cache_len, D_MODEL)
     mask = encoder_mask("regular", context, [chunk, 6], chunk, cache_len=cache_len, cached=[5, cache_len])
     failures = compare(module, reference, (x, mask, positions(mha, x, cache_len)), cache=cache)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [[64, 0], [128, 32]], ids=str)
+def test_limited_context_on_gpu(mha, context):
+    """1000 frames at head dim 64 (the second sequence 300 shorter), fp32 kernels against NeMo in float64."""
+    torch.manual_seed(0)
+    frames = 1000
+    module = attention(mha, d_model=128).cuda()
+    reference = copy_of(mha, module, torch.float64).cuda()
+    relgen.integrations.patch(module)
+    x = torch.randn(2, frames, 128, device="cuda")
+    mask = encoder_mask("regular", context, [frames, frames - 300], frames).cuda()
+    failures = compare(module, reference, (x, mask, positions(mha, x)))
     assert not failures, "\n".join(failures)
 
 
