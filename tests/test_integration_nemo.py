@@ -3,13 +3,16 @@ NeMo's `RelPositionalEncoding`, tiny and random, patched in float32 against the 
 
 NeMo's package __init__s import the whole toolkit and its dependencies, while its attention file needs only
 `nemo.utils`: without NeMo's ASR collection (`pip install --no-deps nemo_toolkit==3.0.0`, as CI runs) the file is
-imported from the installed package with those __init__s skipped. The tests of a whole `ConformerEncoder` run only
-where the ASR collection imports (`pip install "nemo_toolkit[asr]==3.0.0"`)."""
+imported from the installed package with those __init__s skipped, and the masks of a limited context or chunks
+come from the encoder's own `_create_masks`, compiled alone from its installed file. The tests of a whole
+`ConformerEncoder` run only where the ASR collection imports (`pip install "nemo_toolkit[asr]==3.0.0"`)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+import itertools
 import sys
 import types
 import warnings
@@ -23,11 +26,12 @@ from hypothesis import strategies as st
 import relgen
 import relgen.integrations
 from relgen.integrations import _core, nemo_conformer
-from relgen.integrations.nemo_conformer import _padding
+from relgen.integrations.nemo_conformer import _NOT_WINDOW, _masks, _padding
 from relgen.testing import check_close
 
 ROOT = Path(__file__).resolve().parent.parent
 MHA = "nemo.collections.asr.parts.submodules.multi_head_attention"
+ENCODER_FILE = ("collections", "asr", "modules", "conformer_encoder.py")
 ASR_DEPENDENCIES = ("omegaconf", "hydra", "lightning", "lhotse", "librosa")
 D_MODEL, HEADS, T = 32, 2, 24  # head dim 16
 
@@ -99,22 +103,51 @@ def copy_of(mha, module: torch.nn.Module, dtype: torch.dtype = torch.float32, **
 def positions(mha, x: torch.Tensor, cache_len: int = 0) -> torch.Tensor:
     """NeMo's pos_emb for x: [1, 2L − 1, d_model], relative positions L − 1 … −(L − 1), L = T + cache_len."""
     encoding = mha.RelPositionalEncoding(d_model=x.shape[-1], dropout_rate=0.0, xscale=None)
-    encoding.extend_pe(64, x.device, torch.float32)
+    encoding.extend_pe(max(64, x.shape[1] + cache_len), x.device, torch.float32)
     return encoding(x, cache_len=cache_len)[1]
 
 
-def nemo_mask(real: torch.Tensor, queries: slice = slice(None), context: tuple[int, int] = (-1, -1)) -> torch.Tensor:
-    """The [B, T1, T2] mask (True = masked) NeMo's encoder builds from the real frames [B, T2]: a pair is masked if
-    the query or the key is padding, or (att_context_size, 'regular' style) the key lies outside the query's
-    window. `queries` selects the query rows (a streaming step's last T1 positions)."""
-    n = real.shape[1]
-    allowed = torch.ones(1, n, n, dtype=torch.bool)
-    if context[0] >= 0:
-        allowed = allowed.triu(diagonal=-context[0])
-    if context[1] >= 0:
-        allowed = allowed.tril(diagonal=context[1])
-    allowed = allowed & real[:, None, :] & real[:, :, None]
+def nemo_mask(real: torch.Tensor, queries: slice = slice(None)) -> torch.Tensor:
+    """The [B, T1, T2] mask (True = masked) NeMo's encoder builds from the real frames [B, T2] with an unlimited
+    context: a pair is masked if the query or the key is padding. `queries` selects the query rows (a streaming
+    step's last T1 positions)."""
+    allowed = real[:, None, :] & real[:, :, None]
     return ~allowed[:, queries]
+
+
+def nemo_create_masks() -> types.FunctionType:
+    """`ConformerEncoder._create_masks`, the encoder's own mask building, compiled alone from the installed
+    conformer_encoder.py: the file's imports need NeMo's ASR collection, the method only torch and two of the
+    encoder's attributes."""
+    spec = importlib.util.find_spec("nemo")
+    if spec is None:
+        pytest.skip("NeMo is not installed (pip install --no-deps nemo_toolkit==3.0.0)")
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*ENCODER_FILE)
+    tree = ast.parse(path.read_text())
+    classes = (node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "ConformerEncoder")
+    method = next(node for node in next(classes).body if getattr(node, "name", None) == "_create_masks")
+    namespace: dict = {"torch": torch}
+    exec(compile(ast.Module(body=[method], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["_create_masks"]
+
+
+def encoder_mask(
+    style: str, context: list[int], lengths: list[int], frames: int, cache_len: int = 0, cached: list[int] = ()
+) -> torch.Tensor:
+    """The [B, T1, T2] mask NeMo's encoder hands its layers for `frames` frames of real `lengths` under
+    att_context_style `style` and att_context_size `context`; with a streaming cache of `cache_len` frames whose
+    last `cached` are filled, its rows are the chunk's, as forward_internal slices them."""
+    encoder = types.SimpleNamespace(self_attention_model="rel_pos", att_context_style=style)
+    offset = cache_len - torch.tensor(cached) if cache_len else None
+    _, mask = nemo_create_masks()(
+        encoder,
+        att_context_size=context,
+        padding_length=torch.tensor(lengths) + cache_len,
+        max_audio_length=frames + cache_len,
+        offset=offset,
+        device="cpu",
+    )
+    return mask[:, cache_len:]
 
 
 def padded(length: int = T) -> torch.Tensor:
@@ -145,7 +178,7 @@ def compare(patched, reference, inputs, cache=None) -> list[str]:
     if cache is not None:
         (out, new_cache), (expected, expected_cache) = out, expected
         assert torch.equal(new_cache.double(), expected_cache)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
     (out * weights).sum().backward()
     (expected * weights.double()).sum().backward()
     results = [check_close(out, expected, torch.float32, "output"), check_close(xs.grad, xr.grad, torch.float32, "dx")]
@@ -248,20 +281,93 @@ def test_unpatch_and_checkpoints(mha):
         assert torch.equal(loaded(**inputs), before)
 
 
-def test_limited_context_falls_back_once(mha):
-    """att_context_size [4, 2] (a local window) is not served: NeMo's own answer, one warning naming it."""
+LIMITED = [  # att_context_size [left, right] ("regular"; −1: unlimited), padding, NeMo's eager or SDPA path
+    ([4, 2], [T - 5, T - 9], False),
+    ([0, 0], [T, T], False),  # every query sees itself only
+    ([6, 0], [T - 5, T - 9], True),
+    ([3, -1], [T - 5, T - 9], False),
+    ([-1, 2], [T, T], True),
+]
+
+
+@pytest.mark.parametrize(("context", "lengths", "sdpa"), LIMITED, ids=lambda case: str(case).replace(" ", ""))
+def test_limited_context_matches_float64(mha, context, lengths, sdpa):
+    """A limited att_context_size runs on relgen's local window, with NeMo's padding on top: outputs (padded rows
+    too), dx and every parameter's gradient against NeMo's own code in float64, on the mask its encoder builds."""
+    torch.manual_seed(0)
+    module = attention(mha, use_pytorch_sdpa=sdpa)
+    reference = copy_of(mha, module, torch.float64, use_pytorch_sdpa=sdpa)
+    relgen.integrations.patch(module)
+    x = torch.randn(2, T, D_MODEL)
+    failures = compare(module, reference, (x, encoder_mask("regular", context, lengths, T), positions(mha, x)))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("context", [[5, 0], [4, 2]], ids=str)
+def test_streaming_cache_step_with_limited_context(mha, context):
+    """A streaming step of 8 queries after a cache of 12 frames (the first sequence's cache holds 5, its chunk 8
+    real frames; the second's cache is full, its chunk holds 6): the window is counted from each query's position
+    q_offset + i, as NeMo's mask counts it."""
+    torch.manual_seed(0)
+    cache_len, chunk = 12, 8
+    module = attention(mha)
+    reference = copy_of(mha, module, torch.float64)
+    module.cache_drop_size = reference.cache_drop_size = 2
+    relgen.integrations.patch(module)
+    x = torch.randn(2, chunk, D_MODEL)
+    cache = torch.randn(2, cache_len, D_MODEL)
+    mask = encoder_mask("regular", context, [chunk, 6], chunk, cache_len=cache_len, cached=[5, cache_len])
+    failures = compare(module, reference, (x, mask, positions(mha, x, cache_len)), cache=cache)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [[64, 0], [128, 32]], ids=str)
+def test_limited_context_on_gpu(mha, context):
+    """1000 frames at head dim 64 (the second sequence 300 shorter), fp32 kernels against NeMo in float64."""
+    torch.manual_seed(0)
+    frames = 1000
+    module = attention(mha, d_model=128).cuda()
+    reference = copy_of(mha, module, torch.float64).cuda()
+    relgen.integrations.patch(module)
+    x = torch.randn(2, frames, 128, device="cuda")
+    mask = encoder_mask("regular", context, [frames, frames - 300], frames).cuda()
+    failures = compare(module, reference, (x, mask, positions(mha, x)))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("context", [[4, 0], [5, -1]], ids=str)
+def test_chunked_limited_that_is_a_window_is_served(mha, context):
+    """chunked_limited with one-frame chunks (right context 0) or an unlimited right context is a local window."""
+    torch.manual_seed(0)
+    module = attention(mha)
+    reference = copy_of(mha, module, torch.float64)
+    relgen.integrations.patch(module)
+    x = torch.randn(2, T, D_MODEL)
+    mask = encoder_mask("chunked_limited", context, [T - 5, T], T)
+    failures = compare(module, reference, (x, mask, positions(mha, x)))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    ("style", "context"), [("chunked_limited", [6, 2]), ("chunked_limited_with_rc", [4, 3, 1])], ids=["3", "rc"]
+)
+def test_chunks_fall_back_once(mha, style, context):
+    """Chunks longer than one frame are a block mask, not a window: NeMo's own answer, one warning naming them."""
     torch.manual_seed(0)
     module = attention(mha)
     own = copy_of(mha, module)
     relgen.integrations.patch(module)
     x = torch.randn(2, T, D_MODEL)
-    inputs = dict(query=x, key=x, value=x, mask=nemo_mask(padded(), context=(4, 2)), pos_emb=positions(mha, x))
+    mask = encoder_mask(style, context, [T - 5, T], T)
+    inputs = dict(query=x, key=x, value=x, mask=mask, pos_emb=positions(mha, x))
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = [module(**inputs) for _ in range(2)]
         expected = own(**inputs)
     messages = relgen_warnings(caught)
-    assert len(messages) == 1 and "att_context_size" in messages[0] and "not a padding mask" in messages[0]
+    assert len(messages) == 1 and "neither padding nor padding within a local window" in messages[0]
+    assert "chunked_limited" in messages[0]
     assert all(torch.equal(out, expected) for out in got)
 
 
@@ -402,6 +508,63 @@ def test_padding_masks_are_recognised(batch, t1, extra, shared_batch, data):
     assert torch.equal(want_keys, torch.ones_like(want_keys) if got_keys is None else got_keys)
 
 
+def band(t1: int, t2: int, left: int | None, right: int | None) -> torch.Tensor:
+    """[T1, T2]: query row i, at position i + T2 − T1, sees key j when it lies within `left` before and `right`
+    after it (None: unbounded)."""
+    delta = (torch.arange(t1)[:, None] + t2 - t1) - torch.arange(t2)[None, :]
+    return (delta <= (t2 if left is None else left)) & (delta >= -(t2 if right is None else right))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    t1=st.integers(1, 7),
+    extra=st.integers(0, 4),
+    shared_batch=st.booleans(),
+    left=st.one_of(st.none(), st.integers(0, 8)),
+    right=st.one_of(st.none(), st.integers(0, 8)),
+    data=st.data(),
+)
+def test_windowed_padding_masks_are_recognised(batch, t1, extra, shared_batch, left, right, data):
+    """Padding within a band, maybe with one pair flipped: served iff some window reproduces the mask exactly
+    (searched densely here over every window), and then the window returned does, with each bounded side
+    needed; the check in blocks of rows agrees with the check in one block."""
+    t2 = t1 + extra
+    rows = 1 if shared_batch else batch
+    queries = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows * t1, max_size=rows * t1)))
+    keys = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows * t2, max_size=rows * t2)))
+    allowed = queries.view(rows, t1, 1) & keys.view(rows, 1, t2) & band(t1, t2, left, right)
+    if data.draw(st.booleans(), label="flip one pair"):
+        i, j = data.draw(st.integers(0, t1 - 1)), data.draw(st.integers(0, t2 - 1))
+        allowed[0, i, j] = ~allowed[0, i, j]
+    real_queries, real_keys = allowed.any(dim=2), allowed.any(dim=1)
+
+    def reproduces(window: tuple[int | None, int | None]) -> bool:
+        return torch.equal(allowed, real_queries[:, :, None] & real_keys[:, None, :] & band(t1, t2, *window))
+
+    sides = [None, *range(t2)]
+    expressible = any(reproduces(window) for window in itertools.product(sides, sides))
+
+    got_queries, got_keys, window, feature = _masks(~allowed, batch, t1, t2)
+    old = nemo_conformer._CHECK_BLOCK
+    nemo_conformer._CHECK_BLOCK = t2  # one row per block
+    try:
+        assert _masks(~allowed, batch, t1, t2)[2:] == (window, feature)
+    finally:
+        nemo_conformer._CHECK_BLOCK = old
+    if not expressible:
+        assert (window, feature) == (None, _NOT_WINDOW)
+        return
+    assert feature is None
+    window = window or (None, None)
+    assert reproduces(window)
+    assert window[0] is None or not reproduces((None, window[1]))
+    assert window[1] is None or not reproduces((window[0], None))
+    want_queries, want_keys = real_queries.expand(batch, t1), real_keys.expand(batch, t2)
+    assert torch.equal(want_queries, torch.ones_like(want_queries) if got_queries is None else got_queries)
+    assert torch.equal(want_keys, torch.ones_like(want_keys) if got_keys is None else got_keys)
+
+
 def test_masks_of_other_shapes_fall_back():
     assert _padding(torch.zeros(2, 3, 4), 2, 3, 4)[2] == "an attention mask of type torch.float32"
     assert (
@@ -452,11 +615,15 @@ def features(frames: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 8, frames, generator=generator), torch.tensor([frames, frames - 37])
 
 
-@pytest.mark.parametrize("untie_biases", [True, False])
-def test_encoder_matches_float64(conformer_encoder, untie_biases):
+@pytest.mark.parametrize(
+    "options",
+    [{"untie_biases": True}, {"untie_biases": False}, {"att_context_size": [6, 2]}],
+    ids=["untied", "shared", "limited-context"],
+)
+def test_encoder_matches_float64(conformer_encoder, options):
     torch.manual_seed(0)
-    model = encoder(conformer_encoder, untie_biases=untie_biases)
-    reference = encoder(conformer_encoder, untie_biases=untie_biases)
+    model = encoder(conformer_encoder, **options)
+    reference = encoder(conformer_encoder, **options)
     reference.load_state_dict(model.state_dict())
     reference.double()
     names = relgen.integrations.patch(model)
@@ -479,14 +646,15 @@ def test_encoder_matches_float64(conformer_encoder, untie_biases):
     assert not failures, "\n".join(failures)
 
 
-def test_encoder_limited_context_falls_back(conformer_encoder):
+def test_encoder_chunked_limited_falls_back(conformer_encoder):
     torch.manual_seed(0)
-    model = encoder(conformer_encoder, att_context_size=[6, 2])
-    own = encoder(conformer_encoder, att_context_size=[6, 2])
+    options = {"att_context_style": "chunked_limited", "att_context_size": [6, 2]}  # chunks of 3 frames
+    model = encoder(conformer_encoder, **options)
+    own = encoder(conformer_encoder, **options)
     own.load_state_dict(model.state_dict())
     relgen.integrations.patch(model)
     x, lengths = features()
-    with torch.no_grad(), pytest.warns(UserWarning, match="att_context_size"):
+    with torch.no_grad(), pytest.warns(UserWarning, match="chunked_limited"):
         out = model(audio_signal=x, length=lengths)[0]
     with torch.no_grad():
         assert torch.equal(out, own(audio_signal=x, length=lengths)[0])

@@ -3,6 +3,7 @@ window as a plain mask of its own; the spec's errors; and what the analyzer plan
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from kernel_cases import assert_all_close, compare, make_inputs
 from test_layouts import layout_inputs
 
 import relgen
+from relgen.runtime.arguments import reach
 from relgen.spec.limits import MAX_SEQ_LEN
 from relgen.testing import dropout_keep_mask
 
@@ -177,6 +179,54 @@ def test_explain_shows_the_window(capsys, tmp_path):
     path.write_text(SPEC + "causal: true\nwindow: {left: 16, right: null}\n")
     assert cli.main(["explain", str(path)]) == 0
     assert "local window          keys 16 before, 0 after the query: δ ∈ [0, 16]" in capsys.readouterr().out
+
+
+# -- an unproven map re-planned for the offsets a windowed call reaches ------------------------------------------
+#: interval arithmetic cannot cancel delta - delta: unproven beyond its analysed window, re-planned for longer reaches
+UNPROVEN = {
+    "name": "unproven",
+    "terms": ["bias"],
+    "map": {"kind": "expression", "expr": "floor(Max(Min(delta, 5), -5) / 2) + 5 + delta - delta", "rows": 11},
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    left=st.one_of(st.none(), st.integers(0, 12)),
+    right=st.one_of(st.none(), st.integers(0, 12)),
+    causal=st.booleans(),
+    nq=st.integers(1, 9),
+    nk=st.integers(1, 9),
+    q_offset=st.integers(0, 12),
+    k_offset=st.integers(0, 12),
+)
+def test_reach_is_clipped_to_the_window(left, right, causal, nq, nk, q_offset, k_offset):
+    """1 + the largest |δ| over the pairs that causal and the window admit, counted pair by pair; 1 without any."""
+    plan = dataclasses.replace(
+        relgen.compile_mechanism(UNPROVEN).module.PLAN, causal=causal, local_left=left, local_right=right
+    )
+    q, k = torch.zeros(1, 1, nq, 16), torch.zeros(1, 1, nk, 16)
+    offsets = [(i + q_offset) - (j + k_offset) for i in range(nq) for j in range(nk)]
+    admitted = [
+        d for d in offsets if (not causal or d >= 0) and (left is None or d <= left) and (right is None or d >= -right)
+    ]
+    expected = 1 + max((abs(d) for d in admitted), default=0)
+    assert reach(plan, q, k, k, {"q_offset": q_offset, "k_offset": k_offset}) == expected
+
+
+def test_a_windowed_unproven_map_is_planned_for_the_window_only():
+    """40 tokens reach |δ| = 39 without the window and 20 inside [−5, 20]: the call is served by the module planned
+    for 32 offsets (which hold the whole window, so its saturation is proven), exactly."""
+    spec = windowed(UNPROVEN, 20, 5)
+    fn = relgen.compile_mechanism(spec)
+    inputs = make_inputs(spec, b=1, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=8)
+    assert fn.module.PLAN.valid_up_to == 16
+    assert reach(fn.module.PLAN, inputs.q, inputs.k, inputs.v, {}) == 21
+    assert fn.module_for(21).PLAN.valid_up_to is None
+    assert_all_close(compare(spec, inputs), "unproven map, window [−5, 20]")
+    packed = {"cu_seqlens": torch.tensor([0, 40], dtype=torch.int32), "max_seqlen": 40}
+    q = inputs.q[0].transpose(0, 1)
+    assert reach(fn.module.PLAN, q, q, q, packed) == 21
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------

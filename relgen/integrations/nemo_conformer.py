@@ -17,8 +17,13 @@ Masks: NeMo passes a [B, T1, T2] bool mask, True = masked, built by the encoder 
 with a limited ``att_context_size`` or ``chunked_limited``, a band or chunks as well). Each call checks, in row
 blocks with no N×N temporary, that the mask is exactly the outer form of its real queries (rows not all masked) and
 real keys (columns not all masked); the keys go in as ``key_padding_mask`` and the padded query rows are zeroed
-before ``linear_out``, as NeMo zeroes their attention. Any other mask (a local window, chunks) falls back to NeMo's
-code for the call, with one warning: relgen has no window option yet.
+before ``linear_out``, as NeMo zeroes their attention. A mask that is not is checked for that outer form within a
+local window: the smallest band holding every allowed pair (query i at position i + T2 − T1 sees keys back to
+``left`` before and ``right`` after it, NeMo's ``att_context_size`` [left, right] of the "regular" style, a side
+that masks no real pair left unbounded), which must reproduce the mask exactly. The call then runs the spec with
+``window: {left, right}`` (compiled once per window). ``chunked_limited`` is such a band only when its chunks are
+one frame long or its right context is unlimited; any other mask (chunks, ``chunked_limited_with_rc``) falls back
+to NeMo's code for the call, with one warning naming it.
 
 Streaming (cache-aware, ``cache_last_channel``): NeMo's own ``update_cache`` prepends the cache to the keys, and the
 T1 queries are the last of T2 positions: ``q_offset = T2 − T1``.
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,12 +63,17 @@ _TXL_UV = {
     "map": {"kind": "identity"},
 }
 
-_NOT_PADDING = (
-    "an attention mask that is not a padding mask (a limited att_context_size or chunked_limited attention: "
-    "relgen has no local window yet)"
+_NOT_PADDING = "an attention mask that is not a padding mask"
+_NOT_WINDOW = (
+    "an attention mask that is neither padding nor padding within a local window (chunked_limited attention with "
+    "chunks longer than one frame, or chunked_limited_with_rc: its chunks are a block mask, which no window "
+    "expresses)"
 )
 #: mask elements compared at once by the padding check: bounds its temporaries (two bool blocks) at 32 MiB
 _CHECK_BLOCK = 1 << 24
+
+#: a local window (left, right): keys at most `left` positions before and `right` after the query; None: unbounded
+Window = tuple[int | None, int | None]
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,17 @@ class _State:
     mechanism: Mechanism
     attention_dtype: torch.dtype | None  # None: fp32 under autocast, else the activations' dtype
     recompute_projections: bool
+    windowed: dict[Window, Mechanism] = field(default_factory=dict)  # the spec with each window a call needed
+
+    def mechanism_for(self, window: Window | None) -> Mechanism:
+        if window is None:
+            return self.mechanism
+        mechanism = self.windowed.get(window)
+        if mechanism is None:  # compile_mechanism is itself cached and thread-safe: a race compiles once
+            left, right = window
+            mechanism = compile_mechanism({**_TXL_UV, "window": {"left": left, "right": right}})
+            self.windowed[window] = mechanism
+        return mechanism
 
 
 def _matches(module: nn.Module) -> bool:
@@ -117,7 +138,7 @@ def _forward(
         return own_code("more queries than keys")
     if pos_emb.dim() != 3 or pos_emb.shape[0] != 1 or pos_emb.shape[1] != 2 * t2 - 1:
         return own_code("pos_emb not of shape [1, 2·T2 − 1, d_model]")
-    query_valid, key_valid, feature = _padding(mask, batch, t1, t2)
+    query_valid, key_valid, window, feature = _masks(mask, batch, t1, t2)
     if feature is not None:
         return own_code(feature)
 
@@ -131,7 +152,7 @@ def _forward(
             dtype = torch.float32 if autocast else q.dtype
         # relgen's arithmetic in `dtype` exactly: autocast would lower the fold's einsum
         with torch.autocast(q.device.type, enabled=False):
-            out = _attend(module, state, q, k, v, p, key_valid, t2 - t1, dtype).to(v.dtype)
+            out = _attend(module, state, q, k, v, p, key_valid, t2 - t1, dtype, window).to(v.dtype)
         out = out.transpose(1, 2).reshape(batch, t1, module.h * module.d_k)
         if query_valid is not None:
             out = out.masked_fill(~query_valid[:, :, None], 0.0)  # NeMo zeroes the attention of padded queries
@@ -149,14 +170,15 @@ def _attend(
     key_valid: torch.Tensor | None,
     q_offset: int,
     dtype: torch.dtype,
+    window: Window | None = None,
 ) -> torch.Tensor:
     """relgen's attention [B, H, T1, d_k] of NeMo's projections: query q + u, table p in relgen's identity rows
-    [H, 2·T2 − 1, d_k], bias (v − u)·p [H, 2·T2 − 1]."""
+    [H, 2·T2 − 1, d_k], bias (v − u)·p [H, 2·T2 − 1]; keys outside `window` masked."""
     heads, d_k = module.h, module.d_k
     table = p.view(p.shape[1], heads, d_k).flip(0).transpose(0, 1).to(dtype)
     u, v_bias = module.pos_bias_u.to(dtype), module.pos_bias_v.to(dtype)
     bias = torch.einsum("hd,hrd->hr", v_bias - u, table)
-    return state.mechanism(
+    return state.mechanism_for(window)(
         (q.to(dtype) + u[None, :, None, :]),
         k.to(dtype),
         v.to(dtype),
@@ -175,6 +197,69 @@ def _nemo_autocast(module: nn.Module) -> AbstractContextManager:
     module's own file so that both paths project alike."""
     guard = getattr(sys.modules.get(type(module).__module__), "avoid_float16_autocast_context", None)
     return guard() if guard is not None else nullcontext()
+
+
+def _masks(
+    mask: Any, batch: int, t1: int, t2: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Window | None, str | None]:
+    """(real queries, real keys, local window or None, None) of a padding mask, or of one within a local window;
+    else (None, None, None, the feature that keeps the call on NeMo's code)."""
+    query_valid, key_valid, feature = _padding(mask, batch, t1, t2)
+    if feature != _NOT_PADDING:
+        return query_valid, key_valid, None, feature
+    return _windowed_padding(mask, batch, t1, t2)
+
+
+def _windowed_padding(
+    mask: torch.Tensor, batch: int, t1: int, t2: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Window | None, str | None]:
+    """`_masks` for a mask that is not padding: its allowed pairs must be exactly (real queries × real keys) within
+    the smallest window holding all of them, query row i at position a_i = i + T2 − T1.
+
+    The window is read from each row's first and last allowed key (left = max a_i − first_i, right = max last_i −
+    a_i, at least 0) and kept only on a side where some real pair lies beyond it, so that a context wider than the
+    call's sequences compiles no window of its own. Any window that holds the mask contains this one, and every
+    window between the two holds it too: the check of this one alone decides. Any pair the band admits but the mask
+    masks (chunks) fails it. Like `_padding`, in blocks of rows, with no N×N temporary.
+    """
+    rows_of, device = mask.shape[0], mask.device
+    query_valid, key_valid = ~mask.all(dim=2), ~mask.all(dim=1)
+    position = torch.arange(t1, device=device) + (t2 - t1)
+    columns = torch.arange(t2, device=device)
+    first = torch.empty(rows_of, t1, dtype=torch.int64, device=device)
+    last = torch.empty_like(first)
+    rows = max(1, _CHECK_BLOCK // (rows_of * t2))
+    for i in range(0, t1, rows):
+        allowed = (~mask[:, i : i + rows]).to(torch.uint8)  # argmax gives the first of equal maxima; bool has none
+        first[:, i : i + rows] = allowed.argmax(dim=2)
+        last[:, i : i + rows] = t2 - 1 - allowed.flip(2).argmax(dim=2)
+    far = 2 * (t1 + t2)  # beyond any offset: rows and batch entries without a real pair drop out of the maxima
+    bounds = torch.stack(
+        [
+            torch.where(query_valid, position - first, -far).amax(),
+            torch.where(query_valid, last - position, -far).amax(),
+            # the farthest real pair on each side: real queries' positions against real keys'
+            (torch.where(query_valid, position, -far).amax(1) - torch.where(key_valid, columns, far).amin(1)).amax(),
+            (torch.where(key_valid, columns, -far).amax(1) - torch.where(query_valid, position, far).amin(1)).amax(),
+        ]
+    ).tolist()
+    # a window's sides are ≥ 0: where every allowed pair lies on one side of the diagonal, the band that also
+    # admits δ = 0 may still hold the mask (no real pair at δ = 0), which the check below decides
+    left, right, farthest_left, farthest_right = (int(b) for b in bounds)
+    left, right = max(left, 0), max(right, 0)
+    window = (left if left < farthest_left else None, right if right < farthest_right else None)
+    mismatch = torch.zeros((), dtype=torch.bool, device=device)
+    for i in range(0, t1, rows):
+        inside = torch.ones(1, dtype=torch.bool, device=device)
+        if window[0] is not None:
+            inside = inside & (columns[None, :] >= position[i : i + rows, None] - window[0])
+        if window[1] is not None:
+            inside = inside & (columns[None, :] <= position[i : i + rows, None] + window[1])
+        outer = query_valid[:, i : i + rows, None] & key_valid[:, None, :] & inside
+        mismatch |= (mask[:, i : i + rows] == outer).any()  # the mask must be outer's complement, as in _padding
+    if bool(mismatch):
+        return None, None, None, _NOT_WINDOW
+    return *_real(query_valid, key_valid, batch), window, None
 
 
 def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
@@ -203,9 +288,16 @@ def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | No
         mismatch |= (mask[:, i : i + rows] == outer).any()
     if bool(mismatch):
         return None, None, _NOT_PADDING
-    query_valid, key_valid = query_valid.expand(batch, t1), key_valid.expand(batch, t2)
+    return *_real(query_valid, key_valid, batch), None
+
+
+def _real(
+    query_valid: torch.Tensor, key_valid: torch.Tensor, batch: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The real queries [B, T1] and keys [B, T2] of a mask's (maybe batch-shared) rows and columns; None: all."""
+    query_valid, key_valid = query_valid.expand(batch, -1), key_valid.expand(batch, -1)
     key_valid = None if bool(key_valid.all()) else key_valid.contiguous()
-    return (None if bool(query_valid.all()) else query_valid), key_valid, None
+    return (None if bool(query_valid.all()) else query_valid), key_valid
 
 
 register(Adapter("nemo_conformer", _matches, _prepare, _forward, options=("attention_dtype", "recompute_projections")))

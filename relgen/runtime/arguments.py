@@ -347,9 +347,10 @@ def check_call(
 
 
 def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
-    """1 + the largest |δ| among the query-key pairs a call scores (causal: among those it may attend), after
-    checking the arguments that decide it: the window a module planned for an unproven map must cover
-    (relgen.runtime.mechanism.Mechanism). It depends on the offsets' difference only, not on how far along they are."""
+    """1 + the largest |δ| among the query-key pairs a call scores (causal: among those it may attend; a local
+    window: among those inside it), after checking the arguments that decide it: the window a module planned for
+    an unproven map must cover (relgen.runtime.mechanism.Mechanism). It depends on the offsets' difference only,
+    not on how far along they are."""
     q_offset, k_offset = _check_offsets(options.get("q_offset", 0), options.get("k_offset", 0))
     sides = packing_sides(*(options.get(name) for name in PACKING_OPTIONS))
     if sides is not None:
@@ -362,9 +363,19 @@ def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
         _, _, _, nq, _, nk = _check_qkv(q, k, v, check_layout(options.get("layout", "bhnd")))
         high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
         low = q_offset - (k_offset + nk - 1)
-    if plan.causal:  # pairs with δ < 0 are masked
-        high, low = max(high, 0), max(low, 0)
-    return max(abs(high), abs(low)) + 1
+    return _admitted_reach(plan, low, high)
+
+
+def _admitted_reach(plan: PlanInfo, low: int, high: int) -> int:
+    """1 + the largest |δ| of [low, high] that the plan's masks admit (causal: δ ≥ 0; the local window:
+    δ ∈ [−local_right, local_left]); 1 when they admit none of it (no pair is scored)."""
+    if plan.causal:
+        low = max(low, 0)
+    if plan.local_right is not None:
+        low = max(low, -plan.local_right)
+    if plan.local_left is not None:
+        high = min(high, plan.local_left)
+    return max(abs(low), abs(high)) + 1 if low <= high else 1
 
 
 def _check_seed(dropout_seed: Any, dropout_p: float, q: torch.Tensor) -> Any:
