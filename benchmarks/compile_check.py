@@ -197,7 +197,8 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
             spec.loader.exec_module(module)
             modules[path] = module
         fn = getattr(modules[path], launch["kernel"])
-        fn = getattr(fn, "kernel", fn)  # the JITFunction under a relgen.runtime.launch.Launcher
+        # the JITFunction under a relgen.runtime.launch.Launcher (a bare JITFunction's `kernel` is None)
+        fn = getattr(fn, "kernel", None) or fn
         names = [p.name for p in fn.params]
         attrs = {(names.index(name),): CUDABackend.parse_attr(key) for name, key in launch["attrs"].items()}
         src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)

@@ -547,7 +547,7 @@ def _project_kernel(
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
     x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    down, _ = _z_scales(BOUNDS, ENDS, SIGN)
+    down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     _project_columns(
@@ -800,7 +800,7 @@ def _attn_fwd_kernel(
     K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
     V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
     zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
-    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -1303,9 +1303,9 @@ def _attn_bwd_q_kernel(
     kpm_b = KPM + b * skpm_b
     K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
     V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
-    _, zq_up = _z_scales(BOUNDS, ZQE, 1)
-    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
-    dz_down, _ = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
@@ -1753,9 +1753,9 @@ def _attn_bwd_kv_kernel(
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     kpm_b = KPM + b * skpm_b
-    _, zq_up = _z_scales(BOUNDS, ZQE, 1)
-    _, zk_up = _z_scales(BOUNDS, ZKE, -1)
-    dz_down, _ = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
     m_in, m_out = _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
 
@@ -2026,7 +2026,7 @@ def _reduce_tokens_kernel(
     x_rows = b * sdx_b + hx * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
     x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
-    _, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)
+    _down, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)  # named: `_` is the loop's discarded ints
     for g in range(0, X_GROUP):
         h = hx * X_GROUP + g
         _, _, _, _, row_q, row_k, _ = _sequence(
@@ -2141,7 +2141,7 @@ def _reduce_table_kernel(
                         acc += tl.dot(tl.trans(dz), x, input_precision=PREC)
                     if HAS_DB:
                         acc_b += tl.sum(dz.to(tl.float32), 0)
-    _, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)
+    _down, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)  # named: `_` is the loop's discarded ints
     acc = acc * up
     acc_b = acc_b * up
     n_heads = tl.num_programs(1)
