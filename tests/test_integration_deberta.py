@@ -15,7 +15,7 @@ from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, De
 
 import relgen.integrations as integrations
 from relgen.integrations import _core
-from relgen.testing import ZERO, assert_close
+from relgen.testing import ZERO, assert_as_close_as_own, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCH, LENGTH, VOCAB = 2, 24, 64
@@ -301,17 +301,30 @@ def test_float16_autocast_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_autocast_on_the_gpu(dtype):
+def test_autocast_on_the_gpu_is_as_close_as_hfs_own(dtype):
+    """Under autocast every layer of the model rounds in `dtype`, not only attention: the patched model's output and
+    gradients lie as close to the float64 model as HF's own run under the same autocast does."""
     ids, mask = inputs()
     model = build(config(num_hidden_layers=2, hidden_size=128, num_attention_heads=2))
+    untouched = copy.deepcopy(model)
     reference = copy.deepcopy(model).double()
     integrations.patch(model)
     with torch.autocast("cuda", dtype=dtype):
-        out = hidden(model, ids, mask)
+        out, own = hidden(model, ids, mask), hidden(untouched, ids, mask)
     want = hidden(reference, ids, mask)
-    assert_close(out, want, dtype, f"{dtype} autocast")
-    out.float().sum().backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert_as_close_as_own(out, own, want, f"{dtype} autocast output")
+    # a random projection: the plain sum of LayerNorm-ed rows would give gradients that cancel to rounding noise
+    weight = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for result in (out, own, want):
+        (result.double() * weight).sum().backward()
+    # every parameter in the same order, one flat vector per model (a parameter without a gradient counts as zeros)
+    grads = [
+        torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten().double() for p in run.parameters()])
+        for run in (model, untouched, reference)
+    ]
+    # the fused backward rounds in another order than eager's (HF's own error is not a bound on it op by op): under
+    # fp16 autocast on the CPU its gradients drift 1.7x as far as HF's own, its outputs 1.1x; twice is the limit
+    assert_as_close_as_own(*grads, f"{dtype} autocast gradients", factor=2.0)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import relgen
 import relgen.integrations
 from relgen.integrations import _core, nemo_conformer
 from relgen.integrations.nemo_conformer import _padding
-from relgen.testing import check_close
+from relgen.testing import assert_as_close_as_own, check_close
 
 ROOT = Path(__file__).resolve().parent.parent
 MHA = "nemo.collections.asr.parts.submodules.multi_head_attention"
@@ -320,19 +320,22 @@ def test_recompute_projections_option(mha):
 @pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
 def test_autocast_runs_the_kernels_in_fp32(mha, autocast):
     """Under autocast NeMo casts the inputs to fp32 and projects in bf16 (fp16 autocast becomes bf16); relgen's
-    kernels get fp32. Compared with NeMo's own code under the same autocast, in bf16's rounding."""
+    kernels get fp32. The patched module lies as close to the module in float64 as NeMo's own code under the same
+    autocast does."""
     torch.manual_seed(0)
     module = attention(mha).cuda()
     own = copy_of(mha, module).cuda()
+    reference = copy_of(mha, module, torch.float64).cuda()
     relgen.integrations.patch(module)
     x = torch.randn(2, 64, D_MODEL, device="cuda")
     real = torch.ones(2, 64, dtype=torch.bool, device="cuda")
     real[1, 40:] = False
     inputs = dict(query=x, key=x, value=x, mask=nemo_mask(real.cpu()).cuda(), pos_emb=positions(mha, x))
-    with torch.no_grad(), torch.autocast("cuda", dtype=autocast):
-        out, expected = module(**inputs), own(**inputs)
-    ok, message = check_close(out.float(), expected.double(), torch.bfloat16, "output")
-    assert ok, message
+    with torch.no_grad():
+        want = reference(**{name: t.double() if t.is_floating_point() else t for name, t in inputs.items()})
+        with torch.autocast("cuda", dtype=autocast):
+            out, expected = module(**inputs), own(**inputs)
+    assert_as_close_as_own(out, expected, want, f"{autocast} autocast output")
 
 
 def test_unsupported_configurations(mha):
