@@ -2629,14 +2629,15 @@ def _forward_pass(call, keep_projections):
     return o, lse2, projections if keep_projections else (None,) * len(projections), expanded
 
 
-def _backward_pass(do, call, o, lse2, projections, expanded=None):
-    """(dq, dk, dv, dA^Q, dA^K, db): None for a table the spec does not have. `expanded`: the forward's, or None
-    to expand the tables again (the custom ops: an op's outputs may not alias its inputs, as Ã may)."""
+def _backward_pass(do, call, o, lse2, projections=None, expanded=None):
+    """(dq, dk, dv, dA^Q, dA^K, db): None for a table the spec does not have. `projections`: the forward's, or
+    None (or Nones) to form them again (recompute_projections, a ring's chunk pairs). `expanded`: the forward's,
+    or None to expand the tables again (the custom ops: an op's outputs may not alias its inputs, as Ã may)."""
     geo = call.geo
     if expanded is None:
         expanded = geo.expand(call.aq, call.ak, call.bias)
-    if projections[0] is None and projections[1] is None:
-        projections = _projections(call.q, call.k, expanded, geo, geo.config)  # recompute_projections=True
+    if projections is None or (projections[0] is None and projections[1] is None):
+        projections = _projections(call.q, call.k, expanded, geo, geo.config)
     saved = (call.q, call.k, call.v, o, lse2, call.aq, call.ak, call.bias, call.kpm, projections, expanded)
     # the kernels read dO through its strides (a 'bnhd' call's dO arrives as a [B, H, N, d] view): no copy
     return _backward(_rt.lastdim_contiguous(do), saved, geo, geo.config)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Tolerance", "assert_close", "check_close", "dropout_keep_mask", "tolerance"]
+__all__ = ["Tolerance", "assert_as_close_as_own", "assert_close", "check_close", "dropout_keep_mask", "tolerance"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,37 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     ok, message = check_close(actual, expected, dtype, name)
     if not ok:
         raise AssertionError(message)
+
+
+def assert_as_close_as_own(
+    actual: torch.Tensor,
+    own: torch.Tensor,
+    expected: torch.Tensor,
+    name: str = "",
+    factor: float = 1.5,
+    floor: float = 1e-3,
+) -> None:
+    """Raise AssertionError unless `actual`, a patched model's result under autocast, is at most `factor` times as
+    far from `expected` (the same model in float64) as `own` (the unpatched model under the same autocast) is, plus
+    `floor`, both as relative ℓ2 errors. Under autocast the model's own layers round in half precision as well, so
+    a whole model drifts further than one attention call may (`check_close`): the unpatched model's own error is
+    the bound that "matches the unpatched model" sets."""
+    if actual.shape != expected.shape or own.shape != expected.shape:
+        shapes = [list(x.shape) for x in (actual, own, expected)]
+        raise AssertionError(f"{name}: shape mismatch: actual, own and expected are {shapes}")
+    e = expected.detach().to(torch.float64)
+    norm = float(torch.linalg.vector_norm(e))
+    if norm == 0.0 or not torch.isfinite(e).all():
+        raise AssertionError(f"{name}: expected must be finite and not all zero")
+    error, own_error = (
+        float(torch.linalg.vector_norm(x.detach().to(e.device, torch.float64) - e)) / norm for x in (actual, own)
+    )
+    bound = factor * own_error + floor
+    if not error <= bound:  # also NaN
+        raise AssertionError(
+            f"{name}: FAILED: rel ℓ2 against float64 {error:.3e}, the unpatched model's own {own_error:.3e} "
+            f"(limit {factor:g}× own + {floor:g} = {bound:.3e})"
+        )
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

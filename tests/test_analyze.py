@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tiers import SLOW
 
 from relgen.plan.analyze import GROUP_SIZE, analyze, canonical_length
 from relgen.spec.maps import T5Map
@@ -121,6 +122,7 @@ def check_windows(s, n, low, high, group):
         assert cols.min() >= 0 and cols.max() < width, (g, t0, width)
 
 
+@SLOW
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(map_data=MAPS, n=st.integers(1, 300), causal=st.booleans())
 def test_plan_matches_brute_force(map_data, n, causal):

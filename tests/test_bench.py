@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiers import SLOW
 
 import relgen
 from relgen.bench import cli, common, oracle, peers, report, worker
@@ -284,6 +285,7 @@ def _cfg(mechanism="deberta_small", n=16, measurements=(), **extra):
     return cfg
 
 
+@SLOW
 def test_worker_runs_systems_and_checks_them(capsys):
     measurements = [{"system": s, "pass": p, "variant": None} for s in ("eager", "sdpa_plain") for p in ("fwd", "bwd")]
     records = worker.run(_cfg(measurements=measurements))
@@ -305,6 +307,7 @@ def test_worker_runs_systems_and_checks_them(capsys):
             assert r[field] is not None
 
 
+@SLOW
 def test_worker_records_unsupported_and_errors(monkeypatch):
     records = worker.run(
         _cfg(
@@ -348,6 +351,7 @@ for m in cfg["measurements"]:
 """
 
 
+@SLOW
 def test_run_group_survives_crash_and_timeout(tmp_path):
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
@@ -370,6 +374,7 @@ def test_run_group_survives_crash_and_timeout(tmp_path):
     assert "noise on stdout" in log.read_text()
 
 
+@SLOW
 def test_run_group_stops_at_the_budget(tmp_path):
     """At --budget-s the worker in flight is ended and nothing is recorded for what it had not finished."""
     import time

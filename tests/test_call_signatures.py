@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import make_inputs
+from tiers import SLOW
 
 import relgen
 from relgen.runtime import arguments
@@ -147,6 +148,7 @@ def test_the_kept_signatures_are_bounded():
     assert len(plan.calls) == arguments.KEPT_CALLS
 
 
+@SLOW
 @settings(max_examples=40, deadline=None)
 @given(
     name=st.sampled_from(["shaw", "txl", "deberta_v3", "t5", "t5_decoder"]),

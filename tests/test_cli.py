@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+from tiers import SLOW
 
 from relgen.cli.main import main
 
@@ -299,6 +300,7 @@ def test_hook_errors_are_one_line(capsys, monkeypatch, fake_modules):
 # -- the installed entry point ---------------------------------------------------------------------------------
 
 
+@SLOW
 def test_installed_entry_point(tmp_path):
     exe = shutil.which("relgen")
     if exe is None:

@@ -19,6 +19,7 @@ import jinja2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import SLOW
 
 from relgen.cli.main import main
 from relgen.codegen import generator as codegen
@@ -140,6 +141,7 @@ def test_a_hostile_version_is_refused(plans, monkeypatch):
         codegen.render(plans["demo"])
 
 
+@SLOW
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     field=st.sampled_from(TEXT_FIELDS),

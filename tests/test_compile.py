@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import SPECS, make_inputs
+from tiers import SLOW, slow_values
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -86,12 +87,13 @@ def assert_same_bits(spec_name, inputs, backend=None, **options):
     assert_equal_bits(got, want, spec_name, names)
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", slow_values(SPECS, fast=["t5_decoder"]))
 def test_compiled_call_gives_the_eager_bits(name):
     inputs = make_inputs(load(name), b=2, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=3)
     assert_same_bits(name, inputs)
 
 
+@SLOW
 @pytest.mark.parametrize(
     ("name", "options"),
     [
@@ -113,6 +115,7 @@ def test_compiled_call_options(name, options):
     assert_same_bits(name, inputs, **options)
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["txl", "deberta_v3"])
 def test_compiled_packed_sequences(name):
     spec = load(name)
@@ -125,6 +128,7 @@ def test_compiled_packed_sequences(name):
     assert_same_bits(name, inputs, cu_seqlens=cu, max_seqlen=max(lengths), return_lse=True)
 
 
+@SLOW
 def test_dynamic_lengths_share_one_graph_per_bucket():
     """Symbolic lengths (dynamic=True): the fake forward picks the tiles of the length's bucket, which guards the
     graph on that bucket; lengths of one bucket reuse it, and every call matches the eager one."""
@@ -140,6 +144,7 @@ def test_dynamic_lengths_share_one_graph_per_bucket():
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs
 
 
+@SLOW
 def test_a_map_planned_for_a_wider_window_loads_while_tracing():
     """A map whose saturation the analyzer cannot prove (delta - delta) is planned for the analysed window; a longer
     call loads the module planned for a wider one (relgen.runtime.mechanism._load_wider), which under fullgraph
@@ -163,6 +168,7 @@ def test_a_map_planned_for_a_wider_window_loads_while_tracing():
     assert_equal_bits(got, _run(fn, inputs, {}), "N=80")
 
 
+@SLOW
 @pytest.mark.parametrize(
     ("name", "option", "values"),
     [("t5", "dropout_seed", (1, 2, 3, 4)), ("txl", "q_offset", (3, 5, 9, 12))],
@@ -183,6 +189,7 @@ def test_an_int_that_changes_per_call_becomes_symbolic(name, option, values):
     assert len(recording.graphs) == 2
 
 
+@SLOW
 def test_a_tensor_seed_updated_in_place_keeps_one_graph():
     """A seed tensor changed in place per step is one graph input (no recompilation, nothing for a CUDA graph to
     replay wrong); each step draws what an eager call with that int draws, the backward too although the seed

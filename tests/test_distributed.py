@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import SLOW
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 16
@@ -190,6 +191,7 @@ def _expected(case: Case):
     return (out, lse, *grads[:3]), dict(zip(inputs.tables, grads[3:], strict=True))
 
 
+@SLOW
 @INTERPRETED
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[f"P{w}-{c.name}" for w, c in ALL])
 def test_sharded_call_equals_the_gathered_call(world: int, case: Case, tmp_path_factory):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import assert_all_close, compare, make_inputs
+from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import relgen
@@ -30,6 +31,7 @@ def _id(name):
     return name if isinstance(name, str) else name["name"]
 
 
+@SLOW
 @pytest.mark.parametrize("name", FEATURE_SPECS, ids=_id)
 def test_key_padding_mask_with_a_fully_padded_row(name):
     spec = load(name)
@@ -42,10 +44,12 @@ def test_key_padding_mask_with_a_fully_padded_row(name):
     assert torch.all(out[2] == 0)
 
 
-@pytest.mark.parametrize("name", FEATURE_SPECS, ids=_id)
-@pytest.mark.parametrize(
-    ("nq", "nk", "q_offset", "k_offset"), [(1, 40, 39, 0), (16, 48, 32, 0), (20, 20, 0, 7), (33, 21, 5, 9)]
-)
+OFFSETS = [(1, 40, 39, 0), (16, 48, 32, 0), (20, 20, 0, 7), (33, 21, 5, 9)]
+
+
+# the fast tier keeps one spec's KV-cache decoding step
+@pytest.mark.parametrize("name", slow_values(FEATURE_SPECS, fast=["txl"]), ids=_id)
+@pytest.mark.parametrize(("nq", "nk", "q_offset", "k_offset"), slow_values(OFFSETS, fast=[(1, 40, 39, 0)]))
 def test_position_offsets(name, nq, nk, q_offset, k_offset):
     """KV-cache decoding (Nq = 1), chunked prefill, and keys that start later than the queries."""
     spec = load(name)
@@ -64,6 +68,7 @@ def test_causal_offset_leaving_no_key_gives_zero():
     assert torch.all(out[:, :, :5] == 0)
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["deberta_v3", "t5", SYMMETRIC], ids=_id)
 def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     spec = load(name)
@@ -75,6 +80,7 @@ def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     assert_all_close(results, f"{_id(name)} dropout")
 
 
+@SLOW
 def test_dropout_mask_is_one_in_every_tile_order():
     """The kernels draw a key's number from a Philox call shared by four consecutive keys, and list a tile's keys
     up (the forward's saturated tiles read through descriptors) or down (every other tile), query-major or, in the
@@ -106,6 +112,7 @@ def test_dropout_draws_four_independent_keys_per_call():
     assert abs(agree - (p**4 + (1 - p) ** 4)) < 0.025, agree  # 0.125 if independent (~7 s.d.), 1 if one word
 
 
+@SLOW
 def test_dropout_seed_none_follows_torch_generator():
     spec = load("shaw")
     inputs = make_inputs(spec, b=1, h=2, nq=33, d=16, device=DEVICE)
@@ -125,6 +132,7 @@ def _output_and_gradients(fn, inputs, **options):
     return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", "deberta_v3", "t5"])
 def test_a_tensor_seed_draws_the_ints_mask(name):
     """dropout_seed as a one-element tensor (read by the kernels, for CUDA graphs) gives the bits an int seed
@@ -161,6 +169,7 @@ def test_return_lse(name):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", "deberta_v3", SYMMETRIC], ids=_id)
 def test_recompute_projections_gives_the_same_gradients(name):
     spec = load(name)
@@ -180,6 +189,7 @@ def test_recompute_projections_gives_the_same_gradients(name):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@SLOW
 def test_scale_override():
     spec = load("deberta_v3")
     inputs = make_inputs(spec, b=1, h=2, nq=20, d=16, device=DEVICE)
@@ -229,6 +239,7 @@ def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
         fn(q, k, v, **tables, **args)
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["txl", "deberta_v3", "t5_decoder", SYMMETRIC], ids=_id)
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 def test_packed_sequences(name, dropout):
@@ -289,6 +300,7 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", "deberta_v3"])
 def test_backward_keeps_no_fp32_copy_of_a_token_tensor(name):
     """dQ and dK are completed in place by the token reductions: an fp32 partial the size of q (k) would add

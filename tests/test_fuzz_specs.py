@@ -10,6 +10,7 @@ import time
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import SLOW
 
 from relgen.plan.analyze import analyze
 from relgen.spec.expr import compile_expression
@@ -144,6 +145,7 @@ def test_yaml_text(text, seq_len):
         survives(lambda: analyze(spec, seq_len))
 
 
+@SLOW
 @FUZZ
 @given(data=spec_dicts(), seq_len=st.integers(-3, 300), head_dim=st.one_of(st.integers(-2, 300), NUMBERS))
 def test_spec_dicts(data, seq_len, head_dim):

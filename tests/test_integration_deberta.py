@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from tiers import SLOW
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
@@ -15,7 +16,7 @@ from transformers import DebertaV2Config, DebertaV2ForSequenceClassification, De
 
 import relgen.integrations as integrations
 from relgen.integrations import _core
-from relgen.testing import ZERO, assert_close
+from relgen.testing import ZERO, assert_as_close_as_own, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BATCH, LENGTH, VOCAB = 2, 24, 64
@@ -133,6 +134,7 @@ def test_separate_projections_clipped_rows_match_hf():
     assert_matches_hf(build(cfg, seed=4), lambda m: hidden(m, ids, mask), layer_names(1))
 
 
+@SLOW
 def test_p2c_only_two_layers_with_the_convolution_layer_match_hf():
     """share_att_key=False (pos_query_proj), p2c only, 4 buckets, and two layers reading one table with the
     encoder's convolution between them."""
@@ -164,6 +166,7 @@ def test_padded_rows_are_hf_uniform_rows():
     assert_close(out, want, torch.float32, "all rows")
 
 
+@SLOW
 def test_sequence_classification_checkpoint_round_trip(tmp_path):
     """A patched classifier trains (loss, gradients, one AdamW step); its state_dict keys are the model's own and
     the saved checkpoint loads into an unpatched model that then computes the same logits."""
@@ -202,6 +205,7 @@ def test_unpatch_restores_the_models_own_bits():
         assert torch.equal(hidden(model, ids, mask), hidden(never, ids, mask))
 
 
+@SLOW
 def test_deep_copy_of_a_patched_model_runs_its_own_parameters():
     ids, mask = inputs()
     model = build(config())
@@ -213,6 +217,7 @@ def test_deep_copy_of_a_patched_model_runs_its_own_parameters():
     assert _core.is_patched(clone.encoder.layer[0].attention.self) and _core.is_patched(clone.encoder)
 
 
+@SLOW
 def test_a_patched_model_compiles_whole():
     """torch.compile(fullgraph=True) traces the patched encoder and attention (relgen's custom ops inside, whose
     backward tests/test_compile.py covers) and gives the eager patched model's bits."""
@@ -240,6 +245,7 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
+@SLOW
 def test_nothing_n_by_n_is_built():
     """Neither the encoder (mask, relative positions) nor the attention builds an N×N tensor, forward or backward;
     the model's own code does (so the probe can see one)."""
@@ -257,6 +263,7 @@ def test_nothing_n_by_n_is_built():
 # ------------------------------------------------------------------------------------------------------------
 # training options
 # ------------------------------------------------------------------------------------------------------------
+@SLOW
 def test_attention_dropout_runs_in_the_kernels_and_under_gradient_checkpointing():
     """In training, attention dropout is relgen's own (in-kernel) stream, its seed drawn from torch's generator: a
     step is reproducible from torch's seed, gradient checkpointing's recomputation draws the same mask (the same
@@ -286,6 +293,7 @@ def test_attention_dropout_runs_in_the_kernels_and_under_gradient_checkpointing(
         assert_close(hidden(model, ids, mask), expected, torch.float32, "train mode, p = 0")
 
 
+@SLOW
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU autocast (the GPU test below covers CUDA autocast)")
 def test_float16_autocast_on_the_cpu():
     """Under autocast the tables (projections of the fp32 embeddings) reach the kernels in q's dtype."""
@@ -301,17 +309,30 @@ def test_float16_autocast_on_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_autocast_on_the_gpu(dtype):
+def test_autocast_on_the_gpu_is_as_close_as_hfs_own(dtype):
+    """Under autocast every layer of the model rounds in `dtype`, not only attention: the patched model's output and
+    gradients lie as close to the float64 model as HF's own run under the same autocast does."""
     ids, mask = inputs()
     model = build(config(num_hidden_layers=2, hidden_size=128, num_attention_heads=2))
+    untouched = copy.deepcopy(model)
     reference = copy.deepcopy(model).double()
     integrations.patch(model)
     with torch.autocast("cuda", dtype=dtype):
-        out = hidden(model, ids, mask)
+        out, own = hidden(model, ids, mask), hidden(untouched, ids, mask)
     want = hidden(reference, ids, mask)
-    assert_close(out, want, dtype, f"{dtype} autocast")
-    out.float().sum().backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert_as_close_as_own(out, own, want, f"{dtype} autocast output")
+    # a random projection: the plain sum of LayerNorm-ed rows would give gradients that cancel to rounding noise
+    weight = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for result in (out, own, want):
+        (result.double() * weight).sum().backward()
+    # every parameter in the same order, one flat vector per model (a parameter without a gradient counts as zeros)
+    grads = [
+        torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten().double() for p in run.parameters()])
+        for run in (model, untouched, reference)
+    ]
+    # the fused backward rounds in another order than eager's (HF's own error is not a bound on it op by op): under
+    # fp16 autocast on the CPU its gradients drift 1.7x as far as HF's own, its outputs 1.1x; twice is the limit
+    assert_as_close_as_own(*grads, f"{dtype} autocast gradients", factor=2.0)
 
 
 # ------------------------------------------------------------------------------------------------------------

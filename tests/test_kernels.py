@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_specs
+from tiers import SLOW, slow_values
 
 import relgen
 from relgen.check.verify import gradient_runs
@@ -27,14 +29,15 @@ def spec_path(name: str) -> Path:
     return ROOT / "specs" / f"{name}.yaml"
 
 
-@pytest.mark.parametrize("n", [1, 17, 130])
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("n", slow_values([1, 17, 130], fast=[17]))
+@pytest.mark.parametrize("name", slow_values(SPECS, slow=["deberta_v3"]))
 def test_shipped_spec_matches_reference(name, n):
     spec = relgen.load_spec(spec_path(name))
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=16, device=DEVICE, seed=n)
     assert_all_close(compare(spec, inputs), f"{name} N={n}")
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", "txl", "deberta_v3", "t5"])
 def test_other_table_layout(name):
     """The paper's specs with the other table layout (shared ↔ per head), Nq ≠ Nk, batch 2."""
@@ -45,6 +48,7 @@ def test_other_table_layout(name):
     assert_all_close(compare(spec, inputs), name)
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["t5", "t5_decoder", "query_bias"])
 def test_half_precision_bias_tables(name):
     """A bias table in the inputs' half precision, as the benchmark passes it."""
@@ -60,6 +64,7 @@ def test_half_precision_bias_tables(name):
     assert_all_close(compare(spec, inputs), name)
 
 
+@SLOW
 @pytest.mark.parametrize("key_major", [False, True], ids=["query-major", "key-major"])
 @pytest.mark.parametrize("name", ["deberta_v3", "t5_decoder", "symmetric"])
 def test_key_pass_orientations_are_exact(name, key_major):
@@ -86,6 +91,7 @@ def test_key_pass_orientations_are_exact(name, key_major):
     assert_all_close(results, f"{name} key pass {tiles}")
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["deberta_v3", "txl"])
 def test_interior_band_tiles_with_the_gpus_tiles(name):
     """Interior band tiles (INNER: no predicates) with the H200 table's tiles, which the interpreter's defaults do not
@@ -106,6 +112,7 @@ def test_key_major_tiles_are_the_key_pass_only():
         dataclasses.replace(INTERPRETER_CONFIG, backward=AttnTiles(16, 32, key_major=True)).check()
 
 
+@SLOW
 @pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("terms", [["query"], ["query", "key"], ["bias"]])
 def test_saturated_tiles_through_descriptors_and_pointers(terms, descriptors):
@@ -141,6 +148,7 @@ def test_descriptors_only_for_layouts_tma_reads_and_calls_they_pay_for():
 
 
 # -- random specs of every map kind ----------------------------------------------------------------------------
+@SLOW
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=random_specs(), nq=st.integers(1, 70), nk=st.integers(1, 70), seed=st.integers(0, 1000))
 def test_random_specs_match_reference(spec, nq, nk, seed):
@@ -148,6 +156,7 @@ def test_random_specs_match_reference(spec, nq, nk, seed):
     assert_all_close(compare(spec, inputs), f"{spec.model_dump()} Nq={nq} Nk={nk}")
 
 
+@SLOW
 def test_a_gradient_that_cancels_exactly_is_judged_as_zero():
     """A random draw that once failed: every offset j − i lies in [−58, 11], below the boundary 50, so every pair
     reads table row 0 and that row's dÃ^Q is Σ_i q_i Σ_j dS_ij = 0; the FP64 oracle gives −2.6e-15 and relgen
@@ -167,6 +176,7 @@ def test_a_gradient_that_cancels_exactly_is_judged_as_zero():
     assert any("FP64 rounding" in message for _, _, message in results)  # the case this test is about
 
 
+@SLOW
 def test_atomic_fallback_plan_and_result():
     spec = relgen.load_spec(
         {
@@ -180,6 +190,7 @@ def test_atomic_fallback_plan_and_result():
     assert_all_close(compare(spec, inputs), "min(|δ|, 16)")
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["deberta_v3", "t5", "txl"])
 def test_offset_path_backward_is_bitwise_deterministic(name):
     spec = relgen.load_spec(spec_path(name))
@@ -189,6 +200,7 @@ def test_offset_path_backward_is_bitwise_deterministic(name):
         assert torch.equal(a, b)
 
 
+@SLOW
 def test_unsaturated_expression_map_is_replanned_for_longer_sequences():
     """A map the analyzer cannot prove constant beyond the window (interval arithmetic cannot cancel delta - delta)
     gets a module planned for the longer window."""
@@ -209,14 +221,23 @@ def test_unsaturated_expression_map_is_replanned_for_longer_sequences():
 # -- generated/ holds the build of every shipped spec ----------------------------------------------------------
 @pytest.mark.parametrize("name", SPECS)
 def test_generated_module_is_up_to_date(name):
+    if shutil.which("ruff") is None:  # codegen.format_source would return the unformatted source
+        pytest.fail(
+            "ruff is not installed: generated/ holds ruff-formatted modules, so this comparison needs it "
+            "(it is in the test extra: pip install -e '.[test]')"
+        )
     built = ROOT / "generated" / f"{name}.py"
     assert built.exists(), f"generated/{name}.py is missing: run `relgen build specs/*.yaml`"
     expected = codegen.format_source(codegen.render(relgen.plan.analyze(relgen.load_spec(spec_path(name)))))
     assert built.read_text() == expected, f"generated/{name}.py drifted from specs/ and templates/: rebuild it"
 
 
-@pytest.mark.parametrize("ablation", relgen.runtime.mechanism.ABLATIONS)
-@pytest.mark.parametrize("name", ["deberta_v3", "t5"])
+# the fast tier keeps the atomic path's switch (and no_projections, refused for t5)
+@pytest.mark.parametrize(
+    "ablation",
+    slow_values(relgen.runtime.mechanism.ABLATIONS, fast=["atomic_gradients", "no_projections"]),
+)
+@pytest.mark.parametrize("name", slow_values(["deberta_v3", "t5"], slow=["deberta_v3"]))
 def test_ablation_switches_stay_exact(name, ablation):
     """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""
     spec = relgen.load_spec(spec_path(name))
@@ -235,6 +256,7 @@ IN_TILE_SPECS = [
 ]
 
 
+@SLOW
 @pytest.mark.parametrize("spec", IN_TILE_SPECS, ids=lambda s: s["name"])
 def test_in_tile_relation_products_are_exact(spec):
     """Ablation no_projections on saturating maps (band tiles that also hold end-column pairs), bucket copies,
@@ -244,6 +266,7 @@ def test_in_tile_relation_products_are_exact(spec):
     assert_all_close(compare(spec, inputs, ablation="no_projections"), f"{spec.name} no_projections")
 
 
+@SLOW
 @settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=random_specs(), nq=st.integers(1, 70), nk=st.integers(1, 70))
 def test_in_tile_relation_products_on_random_specs(spec, nq, nk):
@@ -262,6 +285,7 @@ def test_in_tile_relation_products_refuse_a_folded_bias():
         relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_projections")
 
 
+@SLOW
 @settings(
     max_examples=6,
     deadline=None,
@@ -303,7 +327,10 @@ QUERY_BIAS = {"name": "qb", "terms": ["query", "bias"], "map": {"kind": "clipped
 
 @pytest.mark.parametrize(
     ("name", "nq", "nk"),
-    [("shaw", 70, 70), ("deberta_v3", 45, 70), (QUERY_BIAS, 70, 33), (QUERY_BIAS, 1, 40)],
+    slow_values(
+        [("shaw", 70, 70), ("deberta_v3", 45, 70), (QUERY_BIAS, 70, 33), (QUERY_BIAS, 1, 40)],
+        slow=[("shaw", 70, 70), ("deberta_v3", 45, 70)],
+    ),
     ids=lambda x: x["name"] if isinstance(x, dict) else str(x),
 )
 def test_forward_writes_the_projection_kernels_rows(name, nq, nk):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import Inputs, assert_all_close, compare, make_inputs
+from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import relgen
@@ -47,6 +48,7 @@ def layout_inputs(spec, *, b=1, h=2, h_kv=None, nq=20, nk=None, d=16, layout="bh
 
 
 # -- layout="bnhd" ------------------------------------------------------------------------------------------------
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5_decoder", ATOMIC], ids=_id)
 def test_bnhd_matches_the_reference(name):
     spec = load(name)
@@ -54,6 +56,7 @@ def test_bnhd_matches_the_reference(name):
     assert_all_close(compare(spec, inputs, layout="bnhd"), f"{_id(name)} bnhd")
 
 
+@SLOW
 def test_bnhd_reads_strided_views_of_a_fused_projection():
     """q, k, v as HF holds them after a fused qkv projection: views of one [B, N, 3, H, d] tensor, whose tokens lie
     3·H·d elements apart; also with Nq ≠ Nk and position offsets."""
@@ -91,6 +94,7 @@ class _Copies(TorchDispatchMode):
         return out
 
 
+@SLOW
 @pytest.mark.parametrize("name", ["shaw", QUERY_KEY], ids=_id)
 def test_bnhd_copies_no_token_tensor(name):
     """q, k, v, O, dO and the gradients stay where they are: the kernels index [B, H, N, d] views of them. O and
@@ -110,6 +114,7 @@ def test_bnhd_copies_no_token_tensor(name):
         assert g.shape == t.shape and g.is_contiguous()
 
 
+@SLOW
 def test_bnhd_equals_bhnd_bit_for_bit():
     """The same kernels read the same numbers through other strides: every output and gradient is the same bits."""
     spec = load(QUERY_KEY)
@@ -139,6 +144,7 @@ def test_packed_calls_take_either_layout():
     assert outs[0].shape == q.shape and torch.equal(outs[0], outs[1])
 
 
+@SLOW
 def test_bnhd_and_grouped_query_attention_under_torch_compile_give_the_eager_bits():
     """The custom ops take `layout` and k, v with H_kv heads: a compiled call is the eager call, bit for bit."""
     from torch._dynamo.backends.debugging import aot_eager
@@ -159,6 +165,7 @@ def test_bnhd_and_grouped_query_attention_under_torch_compile_give_the_eager_bit
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
 
 
+@SLOW
 def test_bnhd_saturated_tiles_read_through_descriptors_with_the_views_strides():
     """The forward's saturated tiles load K and V through tensor descriptors over the [B, H_kv, N, d] views: for a
     'bnhd' call, descriptors with the view's strides (tokens H_kv·d apart), checked here in the interpreter's TMA
@@ -196,6 +203,7 @@ def test_bad_layout_arguments_raise_value_error_naming_them(changes, argument):
 
 
 # -- head dims: every multiple of 8 up to 256, padded to a power of two inside the kernels --------------------------
+@SLOW
 @pytest.mark.parametrize(
     ("name", "d"),
     [("shaw", 24), (QUERY_KEY, 80), (ATOMIC, 96), ("t5_decoder", 256)],
@@ -256,17 +264,20 @@ def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
 # -- grouped-query attention: k and v with H_kv heads, query head h reading key/value head h // (H / H_kv) ----------
 @pytest.mark.parametrize(
     ("name", "h", "h_kv", "layout", "d"),
-    [
-        ("shaw", 4, 2, "bhnd", 16),
-        ("shaw", 4, 1, "bnhd", 16),
-        (QUERY_KEY, 4, 2, "bnhd", 16),
-        (QUERY_KEY, 4, 1, "bhnd", 16),
-        (QUERY_KEY, 4, 2, "bhnd", 80),
-        (ATOMIC, 4, 2, "bhnd", 16),
-        (ATOMIC, 2, 1, "bnhd", 24),
-        ("t5_decoder", 4, 1, "bnhd", 16),
-        ("wav2vec2_bert", 4, 2, "bhnd", 16),  # tables shared by all heads
-    ],
+    slow_values(
+        [
+            ("shaw", 4, 2, "bhnd", 16),
+            ("shaw", 4, 1, "bnhd", 16),
+            (QUERY_KEY, 4, 2, "bnhd", 16),
+            (QUERY_KEY, 4, 1, "bhnd", 16),
+            (QUERY_KEY, 4, 2, "bhnd", 80),
+            (ATOMIC, 4, 2, "bhnd", 16),
+            (ATOMIC, 2, 1, "bnhd", 24),
+            ("t5_decoder", 4, 1, "bnhd", 16),
+            ("wav2vec2_bert", 4, 2, "bhnd", 16),  # tables shared by all heads
+        ],
+        fast=[(ATOMIC, 2, 1, "bnhd", 24)],
+    ),
     ids=lambda x: _id(x) if isinstance(x, dict) else str(x),
 )
 def test_grouped_query_attention_matches_the_reference(name, h, h_kv, layout, d):
@@ -275,6 +286,7 @@ def test_grouped_query_attention_matches_the_reference(name, h, h_kv, layout, d)
     assert_all_close(compare(spec, inputs, layout=layout), f"{_id(name)} H={h} H_kv={h_kv} {layout} d={d}")
 
 
+@SLOW
 def test_grouped_query_attention_expands_no_key_or_value_head():
     """dK and dV are summed over each group inside the kernels: no tensor of K's shape with H heads (a
     repeat_interleave of k or v, or an fp32 partial per query head) is ever made, forward or backward."""
@@ -302,6 +314,7 @@ def test_grouped_query_attention_expands_no_key_or_value_head():
     assert all(g.shape == (1, 24, 1, 16) for g in grads)
 
 
+@SLOW
 def test_grouped_query_attention_is_deterministic_and_drops_out_per_query_head():
     """Two identical backward passes give the same bits (dK, dV summed over the group in a fixed order), and
     dropout draws each query head's own mask, the one the testing helper regenerates for [B, H, Nq, Nk]."""
@@ -314,6 +327,7 @@ def test_grouped_query_attention_is_deterministic_and_drops_out_per_query_head()
     assert_all_close(results, "dropout, H=4, H_kv=2")
 
 
+@SLOW
 def test_grouped_query_attention_with_packed_sequences():
     """Packed q [total, H, d] with k, v [total, H_kv, d]; each sequence attends within itself."""
     spec = load(QUERY_KEY)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from tiers import SLOW
 
 import relgen
 from relgen.runtime import custom_ops
@@ -53,6 +54,7 @@ def fresh_process_state(tmp_path, monkeypatch):
     return tmp_path
 
 
+@SLOW
 def test_eight_threads_compile_and_call_as_one(fresh_process_state):
     start = threading.Barrier(THREADS)
     results: dict[int, tuple] = {}

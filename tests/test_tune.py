@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import SLOW
 
 import relgen
 from relgen.cli import tune
@@ -174,6 +175,7 @@ def small_tuner(monkeypatch):
     return factory
 
 
+@SLOW
 def test_tuner_picks_the_fastest_and_records_skips(small_tuner):
     tuner = small_tuner(torch.float32, 16)
     entry, timings = tuner.tune([relgen.load_spec(T5)], 24)
@@ -198,6 +200,7 @@ def test_tuner_budget(small_tuner):
         small_tuner(torch.float32, 16, budget_s=0.0, started=0.0).tune([relgen.load_spec(T5)], 8)
 
 
+@SLOW
 def test_cli_tune_writes_and_resumes(small_tuner, tmp_path, capsys):
     out = tmp_path / "table.json"
     argv = ["tune", str(T5), "--out", str(out), "--seq-lens", "20", "--dtype", "fp32", "--head-dim", "16"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import assert_all_close, compare, make_inputs
+from tiers import SLOW
 
 import relgen
 from relgen import backend, config, reference
@@ -285,6 +286,7 @@ def test_gradient_buffers_beyond_fp16_are_exact(storage, mode):
         assert ok, f"{name}: {message}"
 
 
+@SLOW
 @pytest.mark.parametrize("mode", config.PROJECTION_STORAGES)
 def test_each_storage_is_exact_on_ordinary_inputs(storage, mode):
     storage(mode)
@@ -362,6 +364,7 @@ def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
+@SLOW
 @pytest.mark.skipif(HAS_CUDA, reason="a machine without a CUDA device")
 def test_the_python_api_sets_up_the_interpreter_itself(tmp_path):
     code = (
@@ -375,6 +378,7 @@ def test_the_python_api_sets_up_the_interpreter_itself(tmp_path):
     assert done.stdout.split("\n")[-2] == "1 (1, 2, 8, 16)"
 
 
+@SLOW
 @pytest.mark.skipif(HAS_CUDA, reason="a machine without a CUDA device")
 def test_kernels_defined_before_the_set_up_fail_in_one_line(tmp_path):
     done = _python("import relgen.runtime.dropout, relgen\nrelgen.compile_mechanism('specs/t5.yaml')\n", tmp_path)

@@ -45,7 +45,7 @@ SHIPPED_HASHES = {
     "shaw": "98fa864eb8acca10",
     "t5": "946fee7e043b7cbd",
     "t5_decoder": "57d631b4113da6f1",
-    "txl": "07c118e527fec8a5",
+    "txl": "2e559959aa74558e",
     "wav2vec2_bert": "2fdf5be0a3d22fbe",
 }
 

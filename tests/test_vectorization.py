@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import SLOW
 
 import relgen
 from relgen.codegen import generator as codegen
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = SLOW  # every case compiles whole modules for sm_90 (10 s and more on 2 cores)
 
 
 def compile_check(spec: str, seq_len: int, *options: str) -> str:

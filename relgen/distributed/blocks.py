@@ -78,7 +78,7 @@ class Blocks:
         `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
         key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed."""
         call = self._call(q, k, v, tables, kpm, qs, ks)
-        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, (None,) * 4)
+        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, None)
         return dq, dk, dv, tuple(dtables)
 
     def add_table_grads(self, totals: list[torch.Tensor | None], dtables, qs: Segment, ks: Segment) -> None:
