@@ -22,15 +22,15 @@ SPEC_NAME = "deberta_v3"
 SPEC_HASH = "94806578d772608e"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="deberta_v3",
     terms=("query", "key",),
     causal=False,
-    shared_tables=False,
+    heads_share_tables=False,
     scale="1 / sqrt(3 * d)",
     length_dependent=False,
     rows=512,
-    low=-512,
-    high=506,
+    saturation_low=-512,
+    saturation_high=506,
     copy_map=(
         0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 7, 7,
         7, 7, 7, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 12, 12, 12, 12, 12, 13, 13,
@@ -78,6 +78,11 @@ PLAN = _rt.PlanInfo(
         505, 505, 505, 506, 506, 506, 506, 506, 507, 507, 507, 507, 507, 507, 508, 508, 508, 508, 508, 509, 509,
         509, 509, 509, 510, 510, 510, 510, 510, 510, 511,
     ),
+    path="offset",
+    projections="by_offset",
+    relations="projected",
+    local_left=None,
+    local_right=None,
     fold=(
         (0, 1), (1, 6), (7, 6), (13, 5), (18, 5), (23, 6), (29, 5), (34, 5), (39, 5), (44, 5), (49, 5), (54, 5),
         (59, 5), (64, 5), (69, 5), (74, 5), (79, 4), (83, 5), (88, 5), (93, 4), (97, 5), (102, 4), (106, 4),
@@ -131,10 +136,7 @@ PLAN = _rt.PlanInfo(
         (928, 4), (932, 5), (937, 5), (942, 4), (946, 5), (951, 5), (956, 5), (961, 5), (966, 5), (971, 5),
         (976, 5), (981, 5), (986, 5), (991, 5), (996, 6), (1002, 5), (1007, 5), (1012, 6), (1018, 1),
     ),
-    path="offset",
     valid_up_to=None,
-    projections="by_offset",
-    relations="projected",
 )
 # fmt: on
 
@@ -2596,8 +2598,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2625,7 +2627,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2659,7 +2661,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

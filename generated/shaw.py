@@ -22,15 +22,15 @@ SPEC_NAME = "shaw"
 SPEC_HASH = "98fa864eb8acca10"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="shaw",
     terms=("query",),
     causal=False,
-    shared_tables=False,
+    heads_share_tables=False,
     scale="1 / sqrt(d)",
     length_dependent=False,
     rows=513,
-    low=-256,
-    high=256,
+    saturation_low=-256,
+    saturation_high=256,
     copy_map=(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,
         29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55,
@@ -57,11 +57,13 @@ PLAN = _rt.PlanInfo(
         486, 487, 488, 489, 490, 491, 492, 493, 494, 495, 496, 497, 498, 499, 500, 501, 502, 503, 504, 505, 506,
         507, 508, 509, 510, 511, 512,
     ),
-    fold=None,
     path="offset",
-    valid_up_to=None,
     projections="by_offset",
     relations="projected",
+    local_left=None,
+    local_right=None,
+    fold=None,
+    valid_up_to=None,
 )
 # fmt: on
 
@@ -2484,8 +2486,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2513,7 +2515,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2547,7 +2549,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

@@ -21,15 +21,15 @@ SPEC_NAME = "t5"
 SPEC_HASH = "946fee7e043b7cbd"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="t5",
     terms=("bias",),
     causal=False,
-    shared_tables=False,
+    heads_share_tables=False,
     scale="1.0",
     length_dependent=False,
     rows=32,
-    low=-91,
-    high=91,
+    saturation_low=-91,
+    saturation_high=91,
     copy_map=(
         31, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30,
         30, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 28, 28, 28, 28, 28, 28, 28, 28,
@@ -39,15 +39,17 @@ PLAN = _rt.PlanInfo(
         13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14,
         14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 15,
     ),
+    path="offset",
+    projections="by_offset",
+    relations="projected",
+    local_left=None,
+    local_right=None,
     fold=(
         (91, 1), (92, 1), (93, 1), (94, 1), (95, 1), (96, 1), (97, 1), (98, 1), (99, 4), (103, 4), (107, 7),
         (114, 9), (123, 14), (137, 18), (155, 27), (182, 1), (0, 0), (90, 1), (89, 1), (88, 1), (87, 1), (86, 1),
         (85, 1), (84, 1), (80, 4), (76, 4), (69, 7), (60, 9), (46, 14), (28, 18), (1, 27), (0, 1),
     ),
-    path="offset",
     valid_up_to=None,
-    projections="by_offset",
-    relations="projected",
 )
 # fmt: on
 
@@ -2275,8 +2277,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2304,7 +2306,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2338,7 +2340,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

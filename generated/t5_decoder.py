@@ -21,15 +21,15 @@ SPEC_NAME = "t5_decoder"
 SPEC_HASH = "57d631b4113da6f1"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="t5_decoder",
     terms=("bias",),
     causal=True,
-    shared_tables=False,
+    heads_share_tables=False,
     scale="1.0",
     length_dependent=False,
     rows=32,
-    low=0,
-    high=113,
+    saturation_low=0,
+    saturation_high=113,
     copy_map=(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 16, 16, 17, 17, 18, 18, 18, 19, 19, 19, 20, 20,
         20, 20, 21, 21, 21, 21, 22, 22, 22, 22, 22, 23, 23, 23, 23, 23, 23, 24, 24, 24, 24, 24, 24, 25, 25, 25, 25,
@@ -37,15 +37,17 @@ PLAN = _rt.PlanInfo(
         28, 28, 28, 28, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 29, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30, 30,
         30, 30, 30, 31,
     ),
+    path="offset",
+    projections="by_offset",
+    relations="projected",
+    local_left=None,
+    local_right=None,
     fold=(
         (0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1), (9, 1), (10, 1), (11, 1), (12, 1),
         (13, 1), (14, 1), (15, 1), (16, 3), (19, 2), (21, 3), (24, 3), (27, 4), (31, 4), (35, 5), (40, 6), (46, 6),
         (52, 7), (59, 8), (67, 10), (77, 10), (87, 12), (99, 14), (113, 1),
     ),
-    path="offset",
     valid_up_to=None,
-    projections="by_offset",
-    relations="projected",
 )
 # fmt: on
 
@@ -2273,8 +2275,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2302,7 +2304,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2336,7 +2338,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

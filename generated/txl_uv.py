@@ -22,21 +22,23 @@ SPEC_NAME = "txl_uv"
 SPEC_HASH = "4a03b2888a09bd5b"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="txl_uv",
     terms=("query", "bias",),
     causal=False,
-    shared_tables=False,
+    heads_share_tables=False,
     scale="1 / sqrt(d)",
     length_dependent=True,
     rows=255,
-    low=-127,
-    high=127,
+    saturation_low=-127,
+    saturation_high=127,
     copy_map="identity",
-    fold=None,
     path="offset",
-    valid_up_to=None,
     projections="by_offset",
     relations="projected",
+    local_left=None,
+    local_right=None,
+    fold=None,
+    valid_up_to=None,
 )
 # fmt: on
 
@@ -2408,8 +2410,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2437,7 +2439,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2471,7 +2473,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

@@ -22,20 +22,25 @@ SPEC_NAME = "wav2vec2_bert"
 SPEC_HASH = "2fdf5be0a3d22fbe"
 # fmt: off
 PLAN = _rt.PlanInfo(
-    name=SPEC_NAME,
+    spec_name="wav2vec2_bert",
     terms=("query",),
     causal=False,
-    shared_tables=True,
+    heads_share_tables=True,
     scale="1 / sqrt(d)",
     length_dependent=False,
     rows=73,
-    low=-8,
-    high=64,
+    saturation_low=-8,
+    saturation_high=64,
     copy_map=(
         72, 71, 70, 69, 68, 67, 66, 65, 64, 63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46,
         45, 44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19,
         18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
     ),
+    path="offset",
+    projections="by_offset",
+    relations="projected",
+    local_left=None,
+    local_right=None,
     fold=(
         (72, 1), (71, 1), (70, 1), (69, 1), (68, 1), (67, 1), (66, 1), (65, 1), (64, 1), (63, 1), (62, 1), (61, 1),
         (60, 1), (59, 1), (58, 1), (57, 1), (56, 1), (55, 1), (54, 1), (53, 1), (52, 1), (51, 1), (50, 1), (49, 1),
@@ -44,10 +49,7 @@ PLAN = _rt.PlanInfo(
         (24, 1), (23, 1), (22, 1), (21, 1), (20, 1), (19, 1), (18, 1), (17, 1), (16, 1), (15, 1), (14, 1), (13, 1),
         (12, 1), (11, 1), (10, 1), (9, 1), (8, 1), (7, 1), (6, 1), (5, 1), (4, 1), (3, 1), (2, 1), (1, 1), (0, 1),
     ),
-    path="offset",
     valid_up_to=None,
-    projections="by_offset",
-    relations="projected",
 )
 # fmt: on
 
@@ -2470,8 +2472,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
-    heads = 1 if geo.shared_tables else geo.heads
-    items = geo.batch * geo.heads if geo.shared_tables else geo.batch
+    heads = 1 if geo.heads_share_tables else geo.heads
+    items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
     chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
     per_chunk = _rt.cdiv(items, chunks)
     dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
@@ -2499,7 +2501,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         BLOCK_T=c.block_t,
         GROUP=geo.group,
         SIGN=sign,
-        SHARED=geo.shared_tables,
+        SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
         FP32_DZ=red.fp32,
@@ -2533,7 +2535,7 @@ def _fold(dt, db, table_like, bias_like, geo):
             db.to(bias_like.dtype).reshape(bias_like.shape) if db is not None else None,
         )
     first, count = geo.fold_tensors(dt.device if dt is not None else db.device)
-    heads = 1 if geo.shared_tables else geo.heads
+    heads = 1 if geo.heads_share_tables else geo.heads
     da = (
         torch.empty((heads, geo.rows, geo.head_dim), device=first.device, dtype=table_like.dtype)
         if dt is not None

@@ -192,6 +192,65 @@ class PlanValues(HasTerms):
         return cls(**values, plan_summary=summary)
 
 
+#: The Plan's fields that the generated module's `PLAN` (relgen.runtime.geometry.PlanInfo) holds, under the Plan's
+#: names and with its values, but for two forms: `scale` is the expression in its normal form, and a length-dependent
+#: map's `copy_map` is "identity" or "reversed", β(s) = (R − 1)/2 ± (s + L) at every length, where the Plan holds β
+#: at its own length.
+PLAN_INFO_FIELDS = (
+    "spec_name",
+    "terms",
+    "causal",
+    "heads_share_tables",
+    "scale",
+    "length_dependent",
+    "rows",
+    "saturation_low",
+    "saturation_high",
+    "copy_map",
+    "path",
+    "projections",
+    "relations",
+    "local_left",
+    "local_right",
+)
+#: What PlanInfo holds beyond the Plan's fields, derived from them: `fold`, (first column, count) of each row's run of
+#: copies (None where no fold is needed), and `valid_up_to`, the length the plan was made for when the map's
+#: saturation is not proven beyond it (None when it holds at every length).
+PLAN_INFO_DERIVED = ("fold", "valid_up_to")
+
+
+def plan_info(values: PlanValues) -> tuple[tuple[Source, Source], ...]:
+    """The keywords and literals of the generated module's `PLAN = _rt.PlanInfo(...)`: PLAN_INFO_FIELDS, read from the
+    checked values by name, then PLAN_INFO_DERIVED."""
+    valid_up_to = None if values.saturation_proven or values.length_dependent else values.seq_len
+    literals = {
+        "scale": values.scale_literal,
+        "copy_map": _copy_map_literal(values),
+        "fold": _fold_literal(values),
+        "valid_up_to": _literal(valid_up_to, "valid_up_to"),
+    }
+    return tuple(
+        (Source(name), literals[name] if name in literals else _literal(getattr(values, name), name))
+        for name in (*PLAN_INFO_FIELDS, *PLAN_INFO_DERIVED)
+    )
+
+
+def _literal(value: object, field: str) -> Source:
+    """The Python literal of a checked value: an int, a bool, None, an identifier or fixed choice (PlanValues made
+    it a Source matching _IDENTIFIER, so quoting it is its literal), or a tuple of those."""
+    if value is None or type(value) in (bool, int):
+        return Source(repr(value))
+    if isinstance(value, Source) and _IDENTIFIER.fullmatch(value):
+        return Source(f'"{value}"')
+    if type(value) is tuple and value and all(type(item) is int for item in value):
+        return _tuple_literal(list(value))
+    if type(value) is tuple:
+        return Source("(" + "".join(f"{_literal(item, field)}, " for item in value).rstrip() + ")")
+    raise ValueError(
+        f"plan.{field}: expected an int, a bool, None, an identifier or a tuple of them, got {_shown(value)}"
+    )
+
+
 @dataclass(frozen=True)
 class GenerationFlags:
     reads_zq: bool  # Z̃^Q is stored (query term; b folded in when present)
@@ -219,10 +278,6 @@ class GenerationFlags:
     end_terms: Source  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     end_shift: Source  # their per-query part: query and b̃ (kernel `_end_shift`; "0.0" when there is none)
     bias_from: Source | None  # which dZ̃ yields db
-    terms_literal: Source
-    copy_map_literal: Source
-    fold_literal: Source
-    valid_up_to: int | None
     formula: Source
     # the local window's bounds the kernels test (δ ≤ local_left, δ ≥ −local_right); None: unbounded, or (right)
     # causal, whose own mask is tighter
@@ -280,10 +335,6 @@ class GenerationFlags:
             )
             or Source("0.0"),
             bias_from=bias_from,
-            terms_literal=Source("(" + "".join(f'"{t}", ' for t in values.terms).rstrip() + ")"),
-            copy_map_literal=_copy_map_literal(values),
-            fold_literal=_fold_literal(values),
-            valid_up_to=None if values.saturation_proven or values.length_dependent else values.seq_len,
             formula=_joined(terms[t] for t in values.terms),
             local_left=values.local_left,
             local_right=None if values.causal else values.local_right,
@@ -384,7 +435,7 @@ def render(plan: Plan) -> str:
     gen = GenerationFlags.from_plan(values)
     version = _matching(__version__, "relgen.__version__", _VERSION, "a version number")
     source = (_template_dir() / TEMPLATE).read_text(encoding="utf-8")
-    return str(template(source).render(plan=values, gen=gen, version=version))
+    return str(template(source).render(plan=values, gen=gen, plan_info=plan_info(values), version=version))
 
 
 def format_source(source: str) -> str:

@@ -278,9 +278,9 @@ def check_call(
     checked = [
         _check_table(plan, name, t, term, want, q)
         for name, t, term, want in (
-            ("aq", aq, "query", (rows, d) if plan.shared_tables else (h, rows, d)),
-            ("ak", ak, "key", (rows, d) if plan.shared_tables else (h, rows, d)),
-            ("bias", bias, "bias", (rows,) if plan.shared_tables else (h, rows)),
+            ("aq", aq, "query", (rows, d) if plan.heads_share_tables else (h, rows, d)),
+            ("ak", ak, "key", (rows, d) if plan.heads_share_tables else (h, rows, d)),
+            ("bias", bias, "bias", (rows,) if plan.heads_share_tables else (h, rows)),
         )
     ]
 
@@ -419,7 +419,7 @@ def _check_table(plan: PlanInfo, name: str, t: Any, term: str, want: tuple[int, 
     """A relation table (aq, ak: rank 3 or 2 when shared; bias: rank 2 or 1), or None for a term the spec lacks."""
     if term not in plan.terms:
         if t is not None:
-            raise ValueError(f"{name}: the spec '{plan.name}' has no '{term}' term, so {name} must be None")
+            raise ValueError(f"{name}: the spec '{plan.spec_name}' has no '{term}' term, so {name} must be None")
         return None
 
     def expected() -> str:

@@ -1,5 +1,5 @@
-"""What a generated module knows about its plan (PlanInfo), and the geometry of one call: sizes, saturation
-bounds, windows, expanded tables and the backward pass's gradient buffer."""
+"""What a generated module knows about its plan (PlanInfo, a view of the Plan), and the geometry of one call: sizes,
+saturation bounds, windows, expanded tables and the backward pass's gradient buffer."""
 
 from __future__ import annotations
 
@@ -27,24 +27,30 @@ ROW_ALIGN = 8
 # ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlanInfo:
-    name: str
+    """The facts of a Plan (relgen.plan.analyze.Plan) that a generated module's calls read, under the Plan's names and
+    with its values, except where noted; relgen.codegen.generator.PLAN_INFO_FIELDS lists them."""
+
+    spec_name: str
     terms: tuple[str, ...]
     causal: bool
-    shared_tables: bool
-    scale: str
+    heads_share_tables: bool
+    scale: str  # in normal form (the same expression as the Plan's)
     length_dependent: bool
     rows: int
-    low: int
-    high: int
-    copy_map: Any  # tuple β(s), or "identity" / "reversed" for identity maps
-    fold: Any  # ((first, count) per row) or None
+    saturation_low: int
+    saturation_high: int
+    # β(s); for a length-dependent map "identity" or "reversed", β(s) = (R − 1)/2 ± (s + L) at every length
+    copy_map: tuple[int, ...] | str
     path: str
-    valid_up_to: int | None
     projections: str = "by_offset"  # "by_row": stored per table row, read through β (ablation no_bucket_copies)
     relations: str = "projected"  # "in_tile": products formed per band tile from Ã (ablation no_projections)
     # the spec's local window: keys with δ ∈ [−local_right, local_left] only (None: that side unbounded)
     local_left: int | None = None
     local_right: int | None = None
+    # derived (relgen.codegen.generator.PLAN_INFO_DERIVED): (first column, count) of each row's run of copies, or None
+    fold: tuple[tuple[int, int], ...] | None = None
+    # the length the plan was made for, when the map's saturation is not proven beyond it (else None)
+    valid_up_to: int | None = None
     # device copies of β and the fold runs, built once per (what, C, device, dtype): hashing β itself on every
     # call would cost more than the launch it serves
     constants: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -69,7 +75,7 @@ class PlanInfo:
 
     def bounds_at(self, length: int) -> tuple[int, int]:
         if not self.length_dependent:
-            return self.low, self.high
+            return self.saturation_low, self.saturation_high
         low, high = -(length - 1), length - 1
         if self.windowed_identity:  # the analyzer's clipping (relgen.plan.analyze._window), at this length
             right = 0 if self.causal else self.local_right
@@ -227,8 +233,8 @@ class Geometry:
         return head_block(self.head_dim)
 
     @property
-    def shared_tables(self) -> bool:
-        return self.plan.shared_tables
+    def heads_share_tables(self) -> bool:
+        return self.plan.heads_share_tables
 
     @property
     def qk_scale(self) -> float:
@@ -301,7 +307,7 @@ class Geometry:
         return self.plan.fold
 
     def table_head_stride(self, table: torch.Tensor | None) -> int:
-        if table is None or self.shared_tables:
+        if table is None or self.heads_share_tables:
             return 0
         return table.stride(0)
 
