@@ -34,6 +34,8 @@ from relgen.spec.expr import parse_expression
 from relgen.spec.model import TERM_ORDER, HasTerms, load_spec
 
 TEMPLATE = "mechanism.py.j2"
+#: the folder of templates/ holding the parts TEMPLATE includes
+PARTS = "parts"
 
 #: Longest spec name (and map kind) emitted: the name is part of module and file names.
 MAX_IDENTIFIER_LENGTH = 64
@@ -415,17 +417,30 @@ def _finalize(template_strings: frozenset[str], value: object) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def template(source: str, name: str = TEMPLATE) -> jinja2.Template:
-    """The template of `source` under the rules of _finalize (compiled once per source text)."""
+def template(source: str, name: str = TEMPLATE, parts: tuple[tuple[str, str], ...] = ()) -> jinja2.Template:
+    """The template of `source` under the rules of _finalize (compiled once per source text); `parts`: the
+    (name, source) of each template it includes (templates/parts/*.j2), whose spelled-out strings it may render
+    too."""
+    sources = {name: source, **dict(parts)}
     env = _Environment(
-        loader=jinja2.DictLoader({name: source}),
+        loader=jinja2.DictLoader(sources),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
     )
-    strings = frozenset(n.value for n in env.parse(source).find_all(jinja2.nodes.Const) if type(n.value) is str)
+    constants = (n.value for text in sources.values() for n in env.parse(text).find_all(jinja2.nodes.Const))
+    strings = frozenset(value for value in constants if type(value) is str)
     env.finalize = functools.partial(_finalize, strings)
     return env.get_template(name)
+
+
+def template_parts() -> tuple[tuple[str, str], ...]:
+    """(name, source) of every part the module template includes: one file per kernel family and the host glue."""
+    root = _template_dir()
+    return tuple(
+        (path.relative_to(root).as_posix(), path.read_text(encoding="utf-8"))
+        for path in sorted((root / PARTS).glob("*.j2"))
+    )
 
 
 def render(plan: Plan) -> str:
@@ -435,7 +450,10 @@ def render(plan: Plan) -> str:
     gen = GenerationFlags.from_plan(values)
     version = _matching(__version__, "relgen.__version__", _VERSION, "a version number")
     source = (_template_dir() / TEMPLATE).read_text(encoding="utf-8")
-    return str(template(source).render(plan=values, gen=gen, plan_info=plan_info(values), version=version))
+    rendered = template(source, TEMPLATE, template_parts()).render(
+        plan=values, gen=gen, plan_info=plan_info(values), version=version
+    )
+    return str(rendered)
 
 
 def format_source(source: str) -> str:
