@@ -3,9 +3,11 @@
 # on PYTHONPATH). Compilation is done in parallel processes first (their timings are thrown away), so the
 # measurements that follow run one at a time on warm caches.
 #
-#   bash benchmarks/h200.sh verify OUT                  GPU test suite (tests/test_gpu.py, and
-#                                                                tests/test_features.py, tests/test_compile.py
-#                                                                on the GPU's kernels)
+#   bash benchmarks/h200.sh verify OUT                  GPU test suite: every test marked gpu
+#                                                                (VERIFY_TESTS: the files, default all of tests/;
+#                                                                VERIFY_WORKERS: pytest-xdist workers, default 6,
+#                                                                since several tests hold FP64 references of
+#                                                                tens of GiB; VERIFY_S: the time limit)
 #   bash benchmarks/h200.sh tune OUT [LENGTHS]           tuning tables and the per-kernel profile
 #                                                                (TUNE_S: seconds of tuning, default 130)
 #   bash benchmarks/h200.sh bench OUT SECONDS [N,...]    relgen bench against the peers (resumes from
@@ -41,7 +43,7 @@ read -r -a specs <<< "${MECHS:-shaw txl deberta_v3 t5}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv > "$out/gpu.txt"
 # the device's copy of .git can be stale: fingerprint the sources that ran instead (files in C-locale order: the
 # device's locale sorts "__init__.py" elsewhere, which changed the fingerprint of the same files)
-echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 relgen/*.py relgen/*/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
+echo "sources sha256: $(LC_ALL=C; cat templates/*.j2 templates/parts/*.j2 relgen/*.py relgen/*/*.py | sha256sum | cut -c1-16)" >> "$out/gpu.txt"
 # torch.compile's mode for the compiled peers: the protocol's max-autotune-no-cudagraphs compiles for 30-90 s per
 # graph, so compile first (WARM_S, or the compile phase); FLEX_MODE=default is the faster, non-protocol choice
 flex_mode=${FLEX_MODE:-max-autotune}
@@ -65,7 +67,9 @@ compile_only() {  # DIR MECHANISM N SHARE SECONDS THREADS [relgen bench options]
 
 if [ "$phase" = verify ]; then
     # -v: each test's outcome is logged as it finishes, so a run cut by the timeout still names its failures
-    timeout "${VERIFY_S:-540}" python3 -m pytest -v -n 8 tests/test_gpu.py tests/test_features.py tests/test_compile.py -p no:warnings \
+    # -m gpu: the CPU tests of these files build CPU tensors, which a CUDA host's kernels refuse
+    read -r -a files <<< "${VERIFY_TESTS:-tests/}"
+    timeout "${VERIFY_S:-540}" python3 -m pytest -v -m gpu -n "${VERIFY_WORKERS:-6}" "${files[@]}" -p no:warnings \
         -p no:cacheprovider -rfE > "$out/gpu_tests.log" 2>&1
     echo "tests exit $?" >> "$out/gpu_tests.log"
     tail -5 "$out/gpu_tests.log"
