@@ -43,6 +43,7 @@ def decomposed_reference(
     keep_mask=None,
     dropout_p=0.0,
     length=None,
+    scale=None,
 ):
     """FP64 attention through the decomposition S = τ(qkᵀ + Z^Q[i, φ] + Z^K[j, φ] + b[φ]) (paper Eq. 7), with
     Z = x·Aᵀ over all R rows: [B, H, N, N] scores instead of the per-pair [H, N, N, d] gather, so it fits at 8K.
@@ -63,7 +64,7 @@ def decomposed_reference(
         s = s + torch.gather(zk, 3, rows.t().expand(*zk.shape[:2], nk, nq)).transpose(-1, -2)
     if bias is not None:
         s = s + per_head(bias)[:, rows].unsqueeze(0)
-    s = s * spec.scale_value(d)
+    s = s * (spec.scale_value(d) if scale is None else scale)
     valid = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=q.device)
     if spec.causal:
         i = torch.arange(nq, device=q.device)[:, None] + q_offset
