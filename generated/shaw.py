@@ -17,6 +17,7 @@ import triton.language as tl
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
 from relgen.runtime.scales import (
+    BOUND_WARPS,
     PARTIALS,
     block_rows,
     max_row_norm,
@@ -2579,7 +2580,9 @@ def _preprocess(o, do, v, delta, cu, bounds, geo, c):
     """delta = rowsum(dO ∘ O); with `bounds` (an fp16 dZ̃) the same launch also returns the factors of the bound on a
     query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖ as [2, PARTIALS] partial maxima (_dz_scales); else
     delta itself stands in for them (unread)."""
-    blocks = _rt.cdiv(geo.nq, c.block_m) * geo.batch * geo.heads
+    # with bounds, PARTIALS programs stream O, dO and V: each in blocks as large as a bound launch's
+    block_m, warps = (block_rows(geo.head_dim), BOUND_WARPS) if bounds else (c.block_m, 4)
+    blocks = _rt.cdiv(geo.nq, block_m) * geo.batch * geo.heads
     out = torch.empty((2, PARTIALS.value), device=do.device, dtype=torch.float32) if bounds else delta
     v_rows = token_rows(v) if bounds else (0, 0, 0, 1, 1, 0)
     _bwd_preprocess_kernel[(PARTIALS.value if bounds else blocks,)](
@@ -2599,10 +2602,11 @@ def _preprocess(o, do, v, delta, cu, bounds, geo, c):
         2.0 * geo.scale / (1.0 - geo.dropout_p),
         HEAD_DIM=geo.head_dim,
         BLOCK_D=geo.block_d,
-        BLOCK_M=c.block_m,
+        BLOCK_M=block_m,
         VARLEN=geo.varlen,
         BOUNDS=bounds,
         BLOCK_T=block_rows(geo.head_dim),
+        num_warps=warps,
     )
     return out
 

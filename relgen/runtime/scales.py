@@ -45,11 +45,14 @@ from relgen.runtime.launch import Launcher  # noqa: E402
 
 #: the most a scaled entry may reach: fp16's largest number 65504 less 256 (0.4 %)
 STORE_LIMIT = tl.constexpr(65248.0)
-#: programs of a bound launch, hence slots per factor of a bounds tensor: enough to stream q and k at full
-#: bandwidth (each program loops over its share of rows), few enough that a reader's reduction is one 1 KiB load
-PARTIALS = tl.constexpr(256)
+#: programs of a bound launch, hence slots per factor of a bounds tensor. Few, because every kernel that reads a
+#: bound reduces them (sm_90 compile of Shaw's backward: 256 slots spill 84 B in the query pass, 64 spill 12 B),
+#: each reading large blocks (_BLOCK_ELEMENTS, BOUND_WARPS) so that the 64 stream q, k or V at full bandwidth
+PARTIALS = tl.constexpr(64)
 #: elements (rows × padded head dim) each program of a bound launch reads at a time
-_BLOCK_ELEMENTS = 8192
+_BLOCK_ELEMENTS = 16384
+#: warps of a bound launch's programs: 64 fp32 registers a thread for a block of _BLOCK_ELEMENTS
+BOUND_WARPS = 8
 
 
 @triton.jit
@@ -187,7 +190,7 @@ def projection_bounds(
     block_d = _block(d)
     _projection_bounds_kernel[(PARTIALS.value,)](
         out, *_side(q, aq, bq, out), *_side(k, ak, bk, out),
-        D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS,
+        D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS, num_warps=BOUND_WARPS,
     )  # fmt: skip
     return out
 
