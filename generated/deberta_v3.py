@@ -16,7 +16,17 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
-from relgen.runtime.scales import pow2_scales, row_norm_bounds
+from relgen.runtime.scales import (
+    BOUND_WARPS,
+    PARTIALS,
+    block_rows,
+    max_row_norm,
+    partial_max,
+    pow2_scales,
+    projection_bounds,
+    row_norms,
+    token_rows,
+)
 
 SPEC_NAME = "deberta_v3"
 SPEC_HASH = "94806578d772608e"
@@ -355,11 +365,11 @@ def _ends(E, offs, ok, up):
 @triton.jit
 def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
     """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
-    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| that relgen.runtime.scales wrote to BOUNDS before the
-    projections ran; fp32 ones hold Z̃ itself."""
+    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors' partial maxima
+    relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
-        side = BOUNDS + (0 if SIGN == 1 else 3)
-        return pow2_scales(tl.load(side) * tl.load(side + 1) + tl.load(side + 2))
+        side: tl.constexpr = 0 if SIGN == 1 else 3
+        return pow2_scales(partial_max(BOUNDS, side) * partial_max(BOUNDS, side + 1) + partial_max(BOUNDS, side + 2))
     else:
         return 1.0, 1.0
 
@@ -367,10 +377,10 @@ def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
 @triton.jit
 def _dz_scales(DZ_BOUNDS, DZ, Nq, KEY_SIDE: tl.constexpr):
     """(2^-s, 2^s): how dZ̃^Q (or dZ̃^K when KEY_SIDE) is stored. An fp16 buffer holds dZ̃·2^-s, s from the bound
-    2τ·max‖dO‖·max‖v‖/(1 − p) of a query row's entries (DZ_BOUNDS: its two factors), times Nq for a key row's
-    (relgen.runtime.scales); an fp32 buffer holds dZ̃ itself."""
+    2τ·max‖dO‖·max‖v‖/(1 − p) of a query row's entries (DZ_BOUNDS: its two factors' partial maxima, from
+    _bwd_preprocess_kernel), times Nq for a key row's (relgen.runtime.scales); an fp32 buffer holds dZ̃ itself."""
     if DZ.dtype.element_ty == tl.float16:
-        bound = tl.load(DZ_BOUNDS) * tl.load(DZ_BOUNDS + 1)
+        bound = partial_max(DZ_BOUNDS, 0) * partial_max(DZ_BOUNDS, 1)
         if KEY_SIDE:
             bound = bound * Nq
         return pow2_scales(bound)
@@ -1146,6 +1156,8 @@ def _bwd_preprocess_kernel(
     DO,
     DELTA,
     CU,
+    V,
+    DZ_BOUNDS,
     so_b,
     so_h,
     so_n,
@@ -1155,22 +1167,50 @@ def _bwd_preprocess_kernel(
     H,
     Nq_all,
     TOTAL,
+    BH,
+    sv_b,
+    sv_h,
+    sv_n,
+    HV,
+    NV,
+    v_rows,
+    do_factor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
-    """D_i = rowsum(dO ∘ O)."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    tok0, _, Nq, _, row_q, _, _ = _sequence(bh, H, CU, CU, Nq_all, Nq_all, TOTAL, TOTAL, 0, VARLEN)
-    tok0 = tok0.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """D_i = rowsum(dO ∘ O), over blocks of BLOCK_M queries of the BH sequences: program p takes blocks p,
+    p + programs, ... BOUNDS (an fp16 dZ̃): also the two factors of dZ̃'s bound (_dz_scales), this program's
+    partial maxima of do_factor·‖dO_i‖ over its blocks (dO is loaded here anyway) and of ‖v_j‖ over its share of
+    V's v_rows rows, to its own slots DZ_BOUNDS[0, p] and DZ_BOUNDS[1, p] (relgen.runtime.scales): no launch or
+    zeroed tensor of their own."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    blocks = tl.cdiv(Nq_all, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
-    o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < Nq)
+    best = tl.zeros([BLOCK_M], tl.float32)
+    for block in range(pid, blocks * BH, programs):
+        pid_m, bh = block % blocks, block // blocks
+        b, h = bh // H, bh % H
+        tok0, _, Nq, _, row_q, _, _ = _sequence(bh, H, CU, CU, Nq_all, Nq_all, TOTAL, TOTAL, 0, VARLEN)
+        tok0 = tok0.to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
+        o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(
+            DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0
+        ).to(tl.float32)
+        tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
+        if BOUNDS:
+            best = tl.maximum(best, row_norms(do))
+    if BOUNDS:
+        tl.store(DZ_BOUNDS + pid, do_factor * tl.max(best, 0))
+        tl.store(
+            DZ_BOUNDS + PARTIALS + pid,
+            max_row_norm(V, sv_b, sv_h, sv_n, HV, NV, v_rows, pid, programs, HEAD_DIM, BLOCK_D, BLOCK_T),
+        )
 
 
 @triton.jit
@@ -2473,14 +2513,18 @@ def _projections(q, k, expanded, geo, cfg, for_forward=False):
 
 
 def _projection_bounds(q, k, expanded, geo):
-    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each) that an fp16 storage scales
-    them by (_z_scales), computed on the device; None when Z̃ is stored in fp32."""
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each, as partial maxima) that an fp16
+    storage scales them by (_z_scales), computed on the device in one launch; None when Z̃ is stored in fp32."""
     if geo.z_dtype != torch.float16 or not True:
         return None
-    bounds = torch.zeros(6, device=q.device, dtype=torch.float32)
-    row_norm_bounds(bounds[0:3], q, 1.0, expanded.aq.reshape(-1, geo.head_dim), None)
-    row_norm_bounds(bounds[3:6], k, 1.0, expanded.ak.reshape(-1, geo.head_dim), None)
-    return bounds
+    return projection_bounds(
+        q,
+        expanded.aq.reshape(-1, geo.head_dim),
+        None,
+        k,
+        expanded.ak.reshape(-1, geo.head_dim),
+        None,
+    )
 
 
 def _scalar_args(geo):
@@ -2645,12 +2689,39 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
     return (total(dt_part) if want_table else None), (total(db_part) if want_bias else None)
 
 
-def _gradient_bounds(do, v, geo):
-    """The two factors of the bound on a query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖, computed on
-    the device for an fp16 dZ̃ (_dz_scales)."""
-    bounds = torch.zeros(2, device=do.device, dtype=torch.float32)
-    row_norm_bounds(bounds, do, 2.0 * geo.scale / (1.0 - geo.dropout_p), v)
-    return bounds
+def _preprocess(o, do, v, delta, cu, bounds, geo, c):
+    """delta = rowsum(dO ∘ O); with `bounds` (an fp16 dZ̃) the same launch also returns the factors of the bound on a
+    query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖ as [2, PARTIALS] partial maxima (_dz_scales); else
+    delta itself stands in for them (unread)."""
+    # with bounds, PARTIALS programs stream O, dO and V: each in blocks as large as a bound launch's
+    block_m, warps = (block_rows(geo.head_dim), BOUND_WARPS) if bounds else (c.block_m, 4)
+    blocks = _rt.cdiv(geo.nq, block_m) * geo.batch * geo.heads
+    out = torch.empty((2, PARTIALS.value), device=do.device, dtype=torch.float32) if bounds else delta
+    v_rows = token_rows(v) if bounds else (0, 0, 0, 1, 1, 0)
+    _bwd_preprocess_kernel[(PARTIALS.value if bounds else blocks,)](
+        o,
+        do,
+        delta,
+        cu,
+        v,
+        out,
+        *_strides(o),
+        *_strides(do),
+        geo.heads,
+        geo.nq,
+        geo.total,
+        geo.batch * geo.heads,
+        *v_rows,
+        2.0 * geo.scale / (1.0 - geo.dropout_p),
+        HEAD_DIM=geo.head_dim,
+        BLOCK_D=geo.block_d,
+        BLOCK_M=block_m,
+        VARLEN=geo.varlen,
+        BOUNDS=bounds,
+        BLOCK_T=block_rows(geo.head_dim),
+        num_warps=warps,
+    )
+    return out
 
 
 def _fold(dt, db, table_like, bias_like, geo):
@@ -2695,23 +2766,8 @@ def _backward(do, saved, geo, cfg):
     cu = geo.cu_seqlens_or(dummy)
     delta = torch.empty_like(lse2)
     c = cfg.backward
-    _bwd_preprocess_kernel[(_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)](
-        o,
-        do,
-        delta,
-        cu[0],
-        *_strides(o),
-        *_strides(do),
-        geo.heads,
-        geo.nq,
-        geo.total,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_D=geo.block_d,
-        BLOCK_M=c.block_m,
-        VARLEN=geo.varlen,
-    )
     dz = geo.gradient_buffer(q.device)
-    dz_bounds = _gradient_bounds(do, v, geo) if dz.dtype == torch.float16 else dummy
+    dz_bounds = _preprocess(o, do, v, delta, cu[0], dz.dtype == torch.float16, geo, c)
     bias_vec = None
     common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = dummy
@@ -2843,7 +2899,7 @@ def _kept_buffers(geo, device):
     zk, zke = _projection_buffers(geo, False, device)
     bounds = None
     if geo.z_dtype == torch.float16:
-        bounds = torch.empty(6, device=device, dtype=torch.float32)
+        bounds = torch.empty((6, PARTIALS.value), device=device, dtype=torch.float32)
     return zq, zk, zqe, zke, bounds
 
 

@@ -17,7 +17,7 @@ from kernel_cases import assert_all_close, make_inputs
 import relgen
 from relgen import config, reference
 from relgen.runtime import storage as projection_storage
-from relgen.runtime.scales import STORE_LIMIT, pow2_scales, row_norm_bounds
+from relgen.runtime.scales import PARTIALS, STORE_LIMIT, pow2_scales, projection_bounds
 from relgen.testing import check_close
 
 HAS_CUDA = torch.cuda.is_available()
@@ -96,23 +96,46 @@ def _float64_norm_max(x: torch.Tensor) -> float:
     return float(x.detach().double().norm(dim=-1).max()) if x.numel() else 0.0
 
 
-def test_row_norm_bounds_match_an_independent_float64_computation():
+def _maxima(partials: torch.Tensor) -> list[float]:
+    assert partials.shape == (6, PARTIALS.value) and torch.isfinite(partials).all()
+    return partials.max(dim=1).values.tolist()
+
+
+def test_projection_bounds_match_an_independent_float64_computation():
     """Token rows read through a non-contiguous layout ('bnhd' as a [B, H, N, d] view), packed tokens, table rows
-    and a bias vector, each against float64; bf16-sized rows whose squares overflow fp32 stay finite."""
+    and bias vectors, each against float64 (the maxima of the partial maxima, which every slot holds: no zeroing);
+    bf16-sized rows whose squares overflow fp32 stay finite; a side without a table reads nothing."""
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randn(2, 5, 3, 24, generator=gen).half().to(DEVICE).transpose(1, 2)  # [B, H, N, d] view
     packed = torch.randn(37, 3, 24, generator=gen).to(DEVICE)
     table = torch.randn(3, 11, 24, generator=gen).half().to(DEVICE)
     bias = torch.randn(3, 11, generator=gen).to(DEVICE)
-    out = torch.zeros(3, device=DEVICE)
-    row_norm_bounds(out, tokens, 2.5, table.reshape(-1, 24), bias.reshape(-1))
-    want = [2.5 * _float64_norm_max(tokens), _float64_norm_max(table), float(bias.abs().max())]
-    assert out.tolist() == pytest.approx(want, rel=1e-6)
-    out = torch.zeros(3, device=DEVICE)
-    huge = torch.full((4, 16), 1e30, device=DEVICE)
-    row_norm_bounds(out, packed, 1.0, huge)
-    assert out[:2].tolist() == pytest.approx([_float64_norm_max(packed), 4e30], rel=1e-6)
-    assert out[2] == 0
+    huge = torch.full((4, 24), 1e30, device=DEVICE)
+    got = _maxima(projection_bounds(tokens, table.reshape(-1, 24), bias.reshape(-1), packed, huge, None))
+    want = [_float64_norm_max(tokens), _float64_norm_max(table), float(bias.abs().max()),
+            _float64_norm_max(packed), 1e30 * math.sqrt(24), 0.0]  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-6)
+    got = _maxima(projection_bounds(packed, None, None, tokens, table.reshape(-1, 24), None))
+    assert got == pytest.approx([0.0, 0.0, 0.0, _float64_norm_max(tokens), _float64_norm_max(table), 0.0], rel=1e-6)
+
+
+def test_the_backward_writes_every_gradient_bound_slot(storage):
+    """The bound launches write their partial maxima into tensors they do not zero (Z̃'s and dZ̃'s): with every
+    fp32 tensor's memory first filled with 10^30, the output and the gradients still match float64."""
+    clipped = {"kind": "clipped", "min": -3, "max": 3}
+    spec = relgen.load_spec({"name": "slots", "terms": ["query", "key"], "map": clipped})
+    inputs = make_inputs(spec, b=1, h=2, nq=16, d=16, dtype=torch.float16, device=DEVICE, seed=2)
+    real_empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        out = real_empty(*shape, **kw)
+        if out.dtype == torch.float32:
+            out.fill_(1e30)  # a slot left unwritten would make its bound, and the scale 2^-s, absurd
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", poisoned)
+        _assert_exact(spec, inputs.leaves, _incoming(inputs.q.shape), "bound slots filled with 1e30 first")
 
 
 def test_no_half_precision_call_checks_or_synchronises(storage):

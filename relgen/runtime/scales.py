@@ -11,8 +11,11 @@ Each buffer has an upper bound β on |entry| that follows from the inputs alone:
   so an entry of a query row is at most β_Q = 2τ·max‖dO‖·max‖v‖/(1 − p) (Σ_j P_ij ≤ 1), and one of a key row
   at most Nq·β_Q (it sums over up to Nq queries).
 
-`row_norm_bounds` writes the maxima (fp32 atomic maxima, so the result does not depend on the programs' order)
-into a small tensor that the kernels read; each kernel turns them into β and β into the scale with `pow2_scales`:
+`projection_bounds` (for Z̃) and the backward's preprocessing kernel (for dZ̃) compute the maxima in one launch
+each, with PARTIALS programs: each writes its partial maxima to its own slot of a [factors, PARTIALS] tensor, so the
+tensor needs no zeroing launch and the result no atomics (nor depends on the programs' order); each kernel that
+reads a bound takes the maximum of the slots itself (`partial_max`), turns the maxima into β and β into the scale
+with `pow2_scales`:
 2^-s is the largest power of two with β·2^-s ≤ STORE_LIMIT = 65248 = 65504 − 256, fp16's largest number less
 a margin for the rounding of the bound itself (an fp32 sum over d terms: relative 10⁻⁵ at d = 256). Writers
 multiply by 2^-s before the fp16 store, readers by 2^s after the load: multiplications by powers of two, exact.
@@ -38,12 +41,18 @@ configure_triton()  # before this module's kernels are defined: Triton's interpr
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from relgen.runtime.launch import Launcher  # noqa: E402
+
 #: the most a scaled entry may reach: fp16's largest number 65504 less 256 (0.4 %)
 STORE_LIMIT = tl.constexpr(65248.0)
-#: rows each program of `_row_norm_kernel` reads at a time
-_BLOCK_ROWS = 64
-#: programs per tensor: enough to stream a large one at full bandwidth, each looping over its share of rows
-_MAX_PROGRAMS = 1024
+#: programs of a bound launch, hence slots per factor of a bounds tensor. Few, because every kernel that reads a
+#: bound reduces them (sm_90 compile of Shaw's backward: 256 slots spill 84 B in the query pass, 64 spill 12 B),
+#: each reading large blocks (_BLOCK_ELEMENTS, BOUND_WARPS) so that the 64 stream q, k or V at full bandwidth
+PARTIALS = tl.constexpr(64)
+#: elements (rows × padded head dim) each program of a bound launch reads at a time
+_BLOCK_ELEMENTS = 16384
+#: warps of a bound launch's programs: 64 fp32 registers a thread for a block of _BLOCK_ELEMENTS
+BOUND_WARPS = 8
 
 
 @triton.jit
@@ -63,11 +72,26 @@ def pow2_scales(bound):
 
 
 @triton.jit
-def _max_row_norm(
+def partial_max(BOUNDS, factor):
+    """One factor of a bound: the maximum of its PARTIALS programs' partial maxima (row `factor` of BOUNDS)."""
+    return tl.max(tl.load(BOUNDS + factor * PARTIALS + tl.arange(0, PARTIALS)), 0)
+
+
+@triton.jit
+def row_norms(x):
+    """‖x_t‖₂ of each row of an fp32 block [BT, BD]. Each row is scaled by its largest magnitude before it is
+    squared, so that no bf16 row's norm overflows fp32."""
+    x = tl.abs(x)
+    top = tl.max(x, 1)
+    unit = x / tl.where(top > 0, top, 1.0)[:, None]
+    return top * tl.sqrt(tl.sum(unit * unit, 1))
+
+
+@triton.jit
+def max_row_norm(
     X, s_b, s_h, s_n, H, N, rows, pid, programs, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr
 ):
-    """max ‖x_t‖₂ over this program's share of the rows t = (b·H + h)·N + n of X [B, H, N, HEAD_DIM]. Each row is
-    scaled by its largest entry before it is squared, so that no bf16 row's norm overflows fp32."""
+    """max ‖x_t‖₂ over this program's share of the rows t = (b·H + h)·N + n of X [B, H, N, HEAD_DIM] (0 if none)."""
     offs_d = tl.arange(0, BLOCK_D)
     best = tl.zeros([BLOCK_T], tl.float32)
     for r0 in range(pid * BLOCK_T, rows, programs * BLOCK_T):
@@ -75,70 +99,116 @@ def _max_row_norm(
         bh = t // N
         row = (bh // H).to(tl.int64) * s_b + (bh % H).to(tl.int64) * s_h + (t % N).to(tl.int64) * s_n
         ok = (t < rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        x = tl.abs(tl.load(X + row[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32))
-        top = tl.max(x, 1)
-        unit = x / tl.where(top > 0, top, 1.0)[:, None]
-        best = tl.maximum(best, top * tl.sqrt(tl.sum(unit * unit, 1)))
+        x = tl.load(X + row[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        best = tl.maximum(best, row_norms(x))
     return tl.max(best, 0)
 
 
 @triton.jit
-def _row_norm_kernel(
+def _side_partials(
     OUT,
-    X0,
-    s0_b,
-    s0_h,
-    s0_n,
-    H0,
-    N0,
-    rows0,
-    factor0,
-    X1,
-    s1_b,
-    s1_h,
-    s1_n,
-    H1,
-    N1,
-    rows1,
-    X2,
-    rows2,
-    PARTS: tl.constexpr,
-    D0: tl.constexpr,
-    BD0: tl.constexpr,
-    D1: tl.constexpr,
-    BD1: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    X,
+    sx_b,
+    sx_h,
+    sx_n,
+    HX,
+    NX,
+    x_rows,
+    A,
+    sa,
+    a_rows,
+    B,
+    b_rows,
+    pid,
+    programs,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    BT_B: tl.constexpr,
 ):
-    """OUT[0] = max(OUT[0], factor0·max‖row of X0‖), OUT[1] alike for X1, OUT[2] for |X2| (a vector); PARTS of
-    them (1 to 3)."""
+    """This program's partial maxima of ‖x_t‖ (tokens), ‖a_r‖ (rows [a_rows, D]) and |b_r| to OUT[0..2, pid]."""
+    tl.store(OUT + pid, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT))
+    tl.store(OUT + PARTIALS + pid, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
+    tl.store(OUT + 2 * PARTIALS + pid, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
+
+
+@Launcher
+@triton.jit
+def _projection_bounds_kernel(
+    OUT,
+    Q,
+    sq_b,
+    sq_h,
+    sq_n,
+    HQ,
+    NQ,
+    q_rows,
+    AQ,
+    saq,
+    aq_rows,
+    BQ,
+    bq_rows,
+    K,
+    sk_b,
+    sk_h,
+    sk_n,
+    HK,
+    NK,
+    k_rows,
+    AK,
+    sak,
+    ak_rows,
+    BK,
+    bk_rows,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    BT_B: tl.constexpr,
+):
+    """OUT [6, PARTIALS]: this program's partial maxima of ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| (0 for none)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    tl.atomic_max(OUT, factor0 * _max_row_norm(X0, s0_b, s0_h, s0_n, H0, N0, rows0, pid, programs, D0, BD0, BLOCK_T))
-    if PARTS > 1:
-        tl.atomic_max(OUT + 1, _max_row_norm(X1, s1_b, s1_h, s1_n, H1, N1, rows1, pid, programs, D1, BD1, BLOCK_T))
-    if PARTS > 2:
-        tl.atomic_max(OUT + 2, _max_row_norm(X2, 0, 0, 1, 1, rows2, rows2, pid, programs, 1, 1, BLOCK_T))
+    _side_partials(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
+                   D, BD, BT, BT_B)  # fmt: skip
+    _side_partials(OUT + 3 * PARTIALS, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid,
+                   programs, D, BD, BT, BT_B)  # fmt: skip
 
 
-def row_norm_bounds(
-    out: torch.Tensor, x: torch.Tensor, factor: float, y: torch.Tensor | None = None, z: torch.Tensor | None = None
-) -> None:
-    """out[0:3] = max(out[0:3], (factor·max‖x_t‖, max‖y_r‖, max|z_r|)) over the rows of x, y (each [B, H, N, d]
-    tokens, packed [total, H, d] tokens or a table's rows [rows, d], read through their strides: no copy) and the
-    vector z; `out` (fp32) holds zeros before its first call. One launch, no synchronisation."""
-    parts = 1 if y is None else 2 if z is None else 3
-    y = y if y is not None else x
-    z = z if z is not None else out
-    x_rows, y_rows = _token_rows(x), _token_rows(y)
-    z_rows = z.numel() if parts > 2 else 0
-    most = max(x_rows[-1], y_rows[-1], z_rows)
-    grid = (max(1, min(_MAX_PROGRAMS, triton.cdiv(most, _BLOCK_ROWS))),)
-    _row_norm_kernel[grid](
-        out, x, *x_rows, float(factor), y, *y_rows, z, z_rows, PARTS=parts,
-        D0=x.shape[-1], BD0=_block(x.shape[-1]), D1=y.shape[-1], BD1=_block(y.shape[-1]), BLOCK_T=_BLOCK_ROWS,
+def projection_bounds(
+    q: torch.Tensor,
+    aq: torch.Tensor | None,
+    bq: torch.Tensor | None,
+    k: torch.Tensor,
+    ak: torch.Tensor | None,
+    bk: torch.Tensor | None,
+) -> torch.Tensor:
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K|: a [6, PARTIALS] fp32 tensor whose rows hold the partial
+    maxima of ‖q_t‖, ‖a^Q_r‖, |b^Q_r|, ‖k_t‖, ‖a^K_r‖, |b^K_r| (a side without a table: q or k not read, all 0).
+    q, k: [B, H, N, d] or packed [total, H, d] tokens, read through their strides (no copy); aq, ak: a table's rows
+    [rows, d]; bq, bk: vectors. One launch, no zeroing, no synchronisation."""
+    out = torch.empty((6, PARTIALS.value), device=q.device, dtype=torch.float32)
+    d = q.shape[-1]
+    block_d = _block(d)
+    _projection_bounds_kernel[(PARTIALS.value,)](
+        out, *_side(q, aq, bq, out), *_side(k, ak, bk, out),
+        D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS, num_warps=BOUND_WARPS,
     )  # fmt: skip
+    return out
 
 
-def _token_rows(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+def _side(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """One side's arguments of _projection_bounds_kernel: no rows to read where the side has no table."""
+    if a is None:
+        return (dummy, 0, 0, 0, 1, 1, 0, dummy, 0, 0, dummy, 0)
+    bias = (b, b.shape[0]) if b is not None else (dummy, 0)
+    return (x, *token_rows(x), a, a.stride(0), a.shape[0], *bias)
+
+
+def block_rows(head_dim: int) -> int:
+    """Rows a program of a bound launch reads at a time, for rows of head_dim entries."""
+    return _BLOCK_ELEMENTS // _block(head_dim)
+
+
+def token_rows(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """(batch, head, token strides, H, N, rows) of [B, H, N, d] tokens, packed [total, H, d] tokens (no batch
     stride, N = total) or rows [rows, d] (one head)."""
     if x.dim() == 4:
