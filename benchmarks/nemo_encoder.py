@@ -6,8 +6,10 @@ Random-init encoders of real sizes (NeMo's config values, written here; no downl
 
 * ``nemo``: NeMo's eager attention (a dense [B, H, T, 2T − 1] relative score per layer);
 * ``nemo-sdpa``: ``use_pytorch_sdpa=True`` (SDPA with the dense relative score as its additive mask);
-* ``relgen``: patched, the kernels in fp32 as NeMo's attention runs under autocast (the default);
-* ``relgen-bf16``, ``relgen-fp16``: patched with ``attention_dtype`` bf16 / fp16;
+* ``relgen``: patched with ``attention_dtype=torch.float32``, the kernels in fp32 (the other systems' error is
+  measured against it);
+* ``relgen-bf16``, ``relgen-fp16``: patched with ``attention_dtype`` bf16 / fp16 (under autocast the patched model's
+  default is NeMo's own attention dtype, bf16 on GPUs with bf16: ``relgen-bf16``);
 * ``relgen-recompute`` (training only): patched with ``recompute_projections=True``.
 
 Inference: RTFx (audio seconds / wall seconds of the encoder's forward, median of the timed runs) and peak memory
@@ -101,7 +103,7 @@ MODELS = {
 SYSTEMS: dict[str, tuple[bool, dict[str, Any] | None]] = {
     "nemo": (False, None),
     "nemo-sdpa": (True, None),
-    "relgen": (False, {}),
+    "relgen": (False, {"attention_dtype": torch.float32}),
     "relgen-bf16": (False, {"attention_dtype": torch.bfloat16}),
     "relgen-fp16": (False, {"attention_dtype": torch.float16}),
     "relgen-recompute": (False, {"recompute_projections": True}),

@@ -28,10 +28,12 @@ to NeMo's code for the call, with one warning naming it.
 Streaming (cache-aware, ``cache_last_channel``): NeMo's own ``update_cache`` prepends the cache to the keys, and the
 T1 queries are the last of T2 positions: ``q_offset = T2 − T1``.
 
-Precision: under autocast NeMo casts the inputs to fp32 (and keeps fp16 autocast off its projections); its own
-projections run as NeMo runs them, and relgen's kernels get fp32 by default. ``patch(model,
-attention_dtype=torch.bfloat16)`` (or ``torch.float16``, ``torch.float32``) runs the kernels in that dtype instead;
-without autocast and without the option the kernels run in the activations' dtype. A float64 call falls back to
+Precision: under autocast NeMo casts the inputs to fp32 and then runs its projections and its attention's
+products inside ``avoid_float16_autocast_context`` (fp16 autocast turned to bf16 where the GPU has it, else fp32),
+so its attention computes in that autocast dtype: bf16 on the GPUs relgen targets. relgen's kernels run in the same
+dtype by default (the dtype of the autocast NeMo's guard leaves active), so the patched model keeps NeMo's own
+numerics; ``patch(model, attention_dtype=torch.float32)`` (or ``torch.bfloat16``, ``torch.float16``) runs the
+kernels in that dtype instead. Without autocast the kernels run in the activations' dtype. A float64 call falls back to
 NeMo's code (the kernels serve fp16, bf16 and fp32). Training-mode attention dropout runs inside the kernels
 (relgen's own random stream). ``patch(model, recompute_projections=True)`` has the backward recompute the
 relation projections instead of keeping them: an identity map keeps H·T1·T2 of them per layer, which at long
@@ -79,7 +81,7 @@ Window = tuple[int | None, int | None]
 @dataclass(frozen=True)
 class _State:
     mechanism: Mechanism
-    attention_dtype: torch.dtype | None  # None: fp32 under autocast, else the activations' dtype
+    attention_dtype: torch.dtype | None  # None: NeMo's own (its autocast dtype), else the activations' dtype
     recompute_projections: bool
     windowed: dict[Window, Mechanism] = field(default_factory=dict)  # the spec with each window a call needed
 
@@ -129,7 +131,7 @@ def _forward(
     def own_code(feature: str) -> Any:
         return fall_back(module, feature, query, key, value, mask, pos_emb, cache=cache)
 
-    autocast = torch.is_autocast_enabled()  # NeMo's own test: under it the inputs go to fp32
+    autocast = torch.is_autocast_enabled()  # NeMo's own test (CUDA autocast)
     if not autocast and query.dtype not in SUPPORTED_DTYPES:
         return own_code(f"{query.dtype} inputs")
     new_key, new_value, new_query, new_cache = module.update_cache(key=key, value=value, query=query, cache=cache)
@@ -148,8 +150,8 @@ def _forward(
         q, k, v = module.forward_qkv(new_query, new_key, new_value)
         p = module.linear_pos(pos_emb)
         dtype = state.attention_dtype
-        if dtype is None:
-            dtype = torch.float32 if autocast else q.dtype
+        if dtype is None:  # NeMo's own: the autocast its guard leaves active, else the activations'
+            dtype = torch.get_autocast_dtype(q.device.type) if autocast else q.dtype
         # relgen's arithmetic in `dtype` exactly: autocast would lower the fold's einsum
         with torch.autocast(q.device.type, enabled=False):
             out = _attend(module, state, q, k, v, p, key_valid, t2 - t1, dtype, window).to(v.dtype)
