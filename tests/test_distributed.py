@@ -370,6 +370,8 @@ _GOOD = {"q": _X, "k": _X, "v": _X, "aq": torch.zeros(2, 31, D)}
 _BAD_CALLS = [
     ("striped", {}, ValueError, "sharding: expected one of"),
     ("contiguous", {"cu_seqlens": torch.tensor([0, 16], dtype=torch.int32)}, NotImplementedError, "cu_seqlens"),
+    ("contiguous", {"cu_seqlens_q": torch.tensor([0, 16], dtype=torch.int32)}, NotImplementedError, "cu_seqlens_q"),
+    ("contiguous", {"max_seqlen_k": 16}, NotImplementedError, "max_seqlen_k"),
     ("contiguous", {"q": torch.zeros(1, 2, 16)}, ValueError, "q: expected a tensor [B, H, n, d]"),
     ("zigzag", {"q": torch.zeros(1, 2, 15, D)}, ValueError, "q: a zigzag shard holds 2 equal chunks"),
     ("contiguous", {"v": torch.zeros(1, 2, 8, D)}, ValueError, "v: expected the length of k"),

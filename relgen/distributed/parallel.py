@@ -58,12 +58,21 @@ class ContextParallel:
     @torch.compiler.disable  # P2P transfers and host-side scheduling: not traceable
     def __call__(
         self, q, k, v, aq=None, ak=None, bias=None, *, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
-        q_offset=0, k_offset=0, dropout_p=0.0, dropout_seed=None, scale=None, recompute_projections=False,
-        return_lse=False,
+        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_offset=0, k_offset=0,
+        dropout_p=0.0, dropout_seed=None, scale=None, recompute_projections=False, return_lse=False,
     ):  # fmt: skip
-        if cu_seqlens is not None or max_seqlen is not None:
+        packing = {
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": max_seqlen,
+            "cu_seqlens_q": cu_seqlens_q,
+            "cu_seqlens_k": cu_seqlens_k,
+            "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k,
+        }
+        given = [name for name, value in packing.items() if value is not None]
+        if given:
             raise NotImplementedError(
-                "cu_seqlens: packed sequences are not supported by context_parallel; shard padded [B, H, N, d] "
+                f"{given[0]}: packed sequences are not supported by context_parallel; shard padded [B, H, N, d] "
                 "sequences with a key_padding_mask instead"
             )
         layout = self._layout(q, k, v, key_padding_mask, q_offset, k_offset)
