@@ -13,7 +13,7 @@ from relgen.distributed.blocks import ROW_DIMS, Blocks
 from relgen.distributed.ring import Ring
 from relgen.distributed.schedule import Layout
 from relgen.distributed.sharding import check_sharding, chunk_count
-from relgen.runtime.arguments import LN2, seed_snapshot
+from relgen.runtime.arguments import LN2, PACKING_OPTIONS, seed_snapshot
 from relgen.runtime.mechanism import Mechanism, compile_mechanism
 from relgen.spec.model import MechanismSpec
 
@@ -61,15 +61,8 @@ class ContextParallel:
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_offset=0, k_offset=0,
         dropout_p=0.0, dropout_seed=None, scale=None, recompute_projections=False, return_lse=False,
     ):  # fmt: skip
-        packing = {
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max_seqlen,
-            "cu_seqlens_q": cu_seqlens_q,
-            "cu_seqlens_k": cu_seqlens_k,
-            "max_seqlen_q": max_seqlen_q,
-            "max_seqlen_k": max_seqlen_k,
-        }
-        given = [name for name, value in packing.items() if value is not None]
+        packing = (cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        given = [name for name, value in zip(PACKING_OPTIONS, packing, strict=True) if value is not None]
         if given:
             raise NotImplementedError(
                 f"{given[0]}: packed sequences are not supported by context_parallel; shard padded [B, H, N, d] "

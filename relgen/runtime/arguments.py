@@ -367,14 +367,9 @@ def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
 
 
 def _admitted_reach(plan: PlanInfo, low: int, high: int) -> int:
-    """1 + the largest |δ| of [low, high] that the plan's masks admit (causal: δ ≥ 0; the local window:
-    δ ∈ [−local_right, local_left]); 1 when they admit none of it (no pair is scored)."""
-    if plan.causal:
-        low = max(low, 0)
-    if plan.local_right is not None:
-        low = max(low, -plan.local_right)
-    if plan.local_left is not None:
-        high = min(high, plan.local_left)
+    """1 + the largest |δ| of [low, high] that the plan's masks admit (PlanInfo.admitted); 1 when they admit none
+    of it (no pair is scored)."""
+    low, high = plan.admitted(low, high)
     return max(abs(low), abs(high)) + 1 if low <= high else 1
 
 

@@ -30,7 +30,15 @@ from typing import Any
 
 import torch
 
-from relgen.runtime.arguments import Call, capturing, check_layout, heads_major, lastdim_contiguous, packing_sides
+from relgen.runtime.arguments import (
+    PACKING_OPTIONS,
+    Call,
+    capturing,
+    check_layout,
+    heads_major,
+    lastdim_contiguous,
+    packing_sides,
+)
 
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
@@ -94,11 +102,11 @@ _REGISTERING = threading.Lock()
 def compiled_packing(packing: dict[str, Any]) -> dict[str, Any]:
     """A call's packing options as the ops take them: cu_seqlens and max_seqlen. The separate form is accepted
     when it describes equal packing (one tensor for both sides, equal max_seqlen_q and max_seqlen_k)."""
-    separate = {name: packing[name] for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")}
+    separate = {name: packing[name] for name in PACKING_OPTIONS[2:]}
     if all(value is None for value in separate.values()):
         return {"cu_seqlens": packing["cu_seqlens"], "max_seqlen": packing["max_seqlen"]}
     if packing["cu_seqlens"] is not None or packing["max_seqlen"] is not None:
-        packing_sides(*packing.values())  # raises: both forms given
+        packing_sides(*(packing[name] for name in PACKING_OPTIONS))  # raises: both forms given
     cu_q, cu_k, max_q, max_k = separate.values()
     if cu_q is not cu_k or max_q != max_k:
         raise NotImplementedError(

@@ -78,9 +78,18 @@ class PlanInfo:
             return self.saturation_low, self.saturation_high
         low, high = -(length - 1), length - 1
         if self.windowed_identity:  # the analyzer's clipping (relgen.plan.analyze._window), at this length
-            right = 0 if self.causal else self.local_right
-            low = low if right is None else max(low, -right)
-            high = high if self.local_left is None else min(high, self.local_left)
+            return self.admitted(low, high)
+        return low, high
+
+    def admitted(self, low: int, high: int) -> tuple[int, int]:
+        """The offsets of [low, high] the plan's masks admit (causal: δ ≥ 0; the local window: δ ∈ [−local_right,
+        local_left]); an empty interval (low > high) when they admit none."""
+        if self.causal:
+            low = max(low, 0)
+        if self.local_right is not None:
+            low = max(low, -self.local_right)
+        if self.local_left is not None:
+            high = min(high, self.local_left)
         return low, high
 
 

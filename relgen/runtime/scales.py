@@ -42,6 +42,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from relgen.runtime.launch import Launcher  # noqa: E402
+from relgen.tiles.configs import head_block  # noqa: E402
 
 #: the most a scaled entry may reach: fp16's largest number 65504 less 256 (0.4 %)
 STORE_LIMIT = tl.constexpr(65248.0)
@@ -187,7 +188,7 @@ def projection_bounds(
     [rows, d]; bq, bk: vectors. One launch, no zeroing, no synchronisation."""
     out = torch.empty((6, PARTIALS.value), device=q.device, dtype=torch.float32)
     d = q.shape[-1]
-    block_d = _block(d)
+    block_d = head_block(d)
     _projection_bounds_kernel[(PARTIALS.value,)](
         out, *_side(q, aq, bq, out), *_side(k, ak, bk, out),
         D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS, num_warps=BOUND_WARPS,
@@ -205,7 +206,7 @@ def _side(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, dummy
 
 def block_rows(head_dim: int) -> int:
     """Rows a program of a bound launch reads at a time, for rows of head_dim entries."""
-    return _BLOCK_ELEMENTS // _block(head_dim)
+    return _BLOCK_ELEMENTS // head_block(head_dim)
 
 
 def token_rows(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -219,7 +220,3 @@ def token_rows(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     if x.dim() != 2:
         raise ValueError(f"x: expected [B, H, N, d], [total, H, d] or [rows, d], got shape {list(x.shape)}")
     return 0, 0, x.stride(0), 1, max(x.shape[0], 1), x.shape[0]
-
-
-def _block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
