@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -111,6 +111,14 @@ def head_dim_rows(fn, spec, n: int, b: int, h: int, d: int) -> list[tuple]:
     return [("head dim", n, f"B={b} H={h} d={d}", "relgen", *ours, "SDPA (no relative terms)", *sdpa)]
 
 
+def rows_at(fn, spec, n: int, b: int, h: int, h_kv: int) -> Iterator[tuple]:
+    """The table's rows at length n, each case as soon as it is measured (a run cut short keeps what it reached)."""
+    yield from layout_rows(fn, spec, n, b, h, 64)
+    yield from gqa_rows(fn, spec, n, b, h, h_kv, 64)
+    for d in (96, 256):
+        yield from head_dim_rows(fn, spec, n, b, h, d)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="shaw")
@@ -123,22 +131,16 @@ def main() -> None:
     spec = relgen.load_spec(path)
     fn = relgen.compile_mechanism(spec)
     h = args.heads
-    rows: list[tuple] = []
-    for n in (int(x) for x in args.seq_lens.split(",")):
-        b = max(1, args.tokens // n)
-        rows += layout_rows(fn, spec, n, b, h, 64)
-        rows += gqa_rows(fn, spec, n, b, h, args.kv_heads, 64)
-        for d in (96, 256):
-            rows += head_dim_rows(fn, spec, n, b, h, d)
-
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{spec.name}, fp16, {now}, commit {commit()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}\n")  # fmt: skip
     print("| case | N | shape | call | fwd ms | fwd+bwd ms | against | fwd ms | fwd+bwd ms | fwd+bwd ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for case, n, shape, ours, fwd, both, other, other_fwd, other_both in rows:
-        print(f"| {case} | {n} | {shape} | {ours} | {fwd:.3f} | {both:.3f} | {other} | {other_fwd:.3f} | "
-              f"{other_both:.3f} | {other_both / both:.2f}× |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for n in (int(x) for x in args.seq_lens.split(",")):
+        for row in rows_at(fn, spec, n, max(1, args.tokens // n), h, args.kv_heads):
+            name, n_, shape, ours, fwd, both, other, other_fwd, other_both = row
+            print(f"| {name} | {n_} | {shape} | {ours} | {fwd:.3f} | {both:.3f} | {other} | {other_fwd:.3f} | "
+                  f"{other_both:.3f} | {other_both / both:.2f}× |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
