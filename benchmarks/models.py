@@ -16,7 +16,9 @@ weights, dropout off, and the patched model is compared with the unpatched one: 
 loss, of all gradients together (ℓ2), and the largest max|g_patched − g_hf| / max|g_hf| over the parameters (T5:
 also sdpa against eager, the size of a difference two correct implementations have in that dtype). An unpatched
 model that runs out of memory there is retried with gradient checkpointing (same values, recomputed). Every case
-that runs out of memory is recorded as "OOM". Writes models.json and models.md (date, git commit, command line,
+that runs out of memory is recorded as "OOM". Where the memory goes: the tensors one forward saves for the
+backward, summed by the module that saved them (e.g. ``T5Attention/Dropout``: an attention dropout's [B, H, N, N]
+mask), next to the parameters, their gradients and AdamW's moments. Writes models.json and models.md (date, git commit, command line,
 versions, GPU) into --out.
 
     python benchmarks/models.py --models deberta,t5 --dtype bf16,fp16 --steps 10 --out DIR
@@ -315,6 +317,49 @@ def measure_generate(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: t
     return {"generate_ms": result["ms"], "tokens_per_s": tokens / result["ms"] * 1e3, "peak_mib": result["peak_mib"]}
 
 
+def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
+    """Where a training step's memory goes: the tensors one forward (train mode, dropout on) saves for the
+    backward, by the module that saved them (its class and its parent's, e.g. ``T5Attention/Dropout``; each storage
+    counted once, for the first module that saved it), and the parameters with their gradients and AdamW's two
+    moments (fp32). MiB each."""
+    model.train()
+    stack: list[str] = []
+    seen: set[int] = set()
+    by_module: dict[str, float] = {}
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        stack.append(type(module).__name__)
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen and storage.nbytes() > 0:
+            seen.add(storage.data_ptr())
+            where = "/".join(stack[-2:]) or "(outside any module)"
+            by_module[where] = by_module.get(where, 0.0) + storage.nbytes() / 2**20
+        return t
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(dtype):
+            loss = model(**inputs).loss
+        del loss
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    top = dict(sorted(by_module.items(), key=lambda item: -item[1])[:8])
+    return {
+        "saved_mib": sum(by_module.values()),
+        "saved_mib_by_module": top,
+        "parameters_mib": params,
+        "gradients_and_adamw_mib": 3 * params,
+    }
+
+
 def guarded(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any] | None:
     """`measure(*args)`, or None if it ran out of memory."""
     try:
@@ -388,6 +433,7 @@ def measure_system(family: Family, system: str, model: nn.Module, inputs: dict, 
     else:
         record.update(loss=check["loss"], reference_checkpointed=check["checkpointed"], grads=check["grads"])
     record.update(guarded(measure_step, model, inputs, dtype, args) or {"step_ms": "OOM"})
+    record["memory"] = guarded(saved_memory, model, inputs, dtype, args) or "OOM"
     if family.generates:
         record["generate"] = guarded(measure_generate, model, inputs, dtype, args) or "OOM"
     return record
@@ -421,6 +467,8 @@ def checks(grads: dict[str, dict[str, Any] | None], baselines: tuple[str, ...]) 
 
 def summary(record: dict[str, Any]) -> str:
     parts = [f"step {fmt(record.get('step_ms'))} ms", f"peak {fmt(record.get('peak_mib'))} MiB"]
+    if isinstance(record.get("memory"), dict):
+        parts.append(f"saved {record['memory']['saved_mib']:.0f} MiB")
     if "generate" in record:
         parts.append(f"generate {fmt(record['generate'], 'tokens_per_s')} tok/s")
     return ", ".join(parts)
@@ -470,6 +518,20 @@ def markdown(env: dict[str, Any], records: list[dict[str, Any]]) -> str:
             f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {r['batch']} | {r['system']} | "
             f"{fmt(r.get('step_ms'))} | {fmt(r.get('peak_mib'), spec='.0f')} | {speed} | {memory} |"
         )
+    lines += ["", "Where the memory goes: tensors one forward saves for the backward (MiB, by the module that saved"]
+    lines += ["them, largest first), and parameters + gradients + AdamW's moments:", ""]
+    lines += [
+        "| model | dtype | N | system | saved | largest savers | parameters, gradients, AdamW |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in steps:
+        memory = r.get("memory")
+        if isinstance(memory, dict):
+            savers = ", ".join(f"{name} {mib:.0f}" for name, mib in list(memory["saved_mib_by_module"].items())[:4])
+            lines.append(
+                f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {r['system']} | {memory['saved_mib']:.0f} | "
+                f"{savers} | {memory['parameters_mib'] + memory['gradients_and_adamw_mib']:.0f} |"
+            )
     generated = [r for r in steps if "generate" in r]
     if generated:
         lines += ["", "Greedy generate(), tokens/s (batch × new tokens / time of one call):", ""]
