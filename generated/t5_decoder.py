@@ -215,6 +215,13 @@ def _window_base(SIGN: tl.constexpr, DOFF, nk, LOW, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _token_rows(T, strides, b, h, tok):
+    """T's entries of batch b, head h at tokens tok (a scalar or a tensor of tokens). strides: T's (batch, head,
+    token) strides, as the host's _strides gives them."""
+    return T + b * strides[0] + h * strides[1] + tok * strides[2]
+
+
+@triton.jit
 def _sequence(bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN: tl.constexpr):
     """Where the sequence of program (batch·head) `bh` lives: its first query and first key token, its Nq and Nk,
     the rows of its first query and first key in the internal buffers, and its offset between query and key
@@ -591,9 +598,7 @@ def _project_kernel(
     BOUNDS,
     CU,
     CU_K,
-    sx_b,
-    sx_h,
-    sx_n,
+    sx,
     st_h,
     sb_h,
     H,
@@ -632,8 +637,8 @@ def _project_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
-    x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+    X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
+    x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
@@ -771,18 +776,10 @@ def _attn_fwd_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    so_b,
-    so_h,
-    so_n,
+    sq,
+    sk,
+    sv,
+    so,
     skpm_b,
     sbias_h,
     seed,
@@ -829,7 +826,7 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
+        _token_rows(Q, sq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         offs_m[:, None] < Nq,
         offs_d,
         HEAD_DIM,
@@ -842,8 +839,8 @@ def _attn_fwd_kernel(
     ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
+    V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
     zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq, zq_up)
@@ -854,7 +851,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk_n, sv_n, ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     # the band first: its gathers of Z̃^Q come while those rows are freshest in cache (the softmax is order-free;
@@ -973,7 +970,7 @@ def _attn_fwd_kernel(
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     row_ok = offs_m < Nq
     tl.store(
-        O + b * so_b + h * so_h + (tok_q + offs_m[:, None]) * so_n + offs_d[None, :],
+        _token_rows(O, so, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         out.to(O.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -992,12 +989,8 @@ def _bwd_preprocess_kernel(
     CU,
     V,
     DZ_BOUNDS,
-    so_b,
-    so_h,
-    so_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    so,
+    sdo,
     H,
     Nq_all,
     TOTAL,
@@ -1032,10 +1025,10 @@ def _bwd_preprocess_kernel(
         tok0 = tok0.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
-        o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
-        do = tl.load(
-            DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0
-        ).to(tl.float32)
+        o = tl.load(_token_rows(O, so, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(_token_rows(DO, sdo, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0).to(
+            tl.float32
+        )
         tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
         if BOUNDS:
             best = tl.maximum(best, row_norms(do))
@@ -1234,23 +1227,13 @@ def _attn_bwd_q_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    sq,
+    sk,
+    sv,
+    sdo,
     skpm_b,
     sbias_h,
-    sdq_b,
-    sdq_h,
-    sdq_n,
+    sdq,
     seed,
     dropout_p,
     QPOS,
@@ -1296,14 +1279,10 @@ def _attn_bwd_q_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Nq
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
-        row_ok[:, None],
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
+        _token_rows(Q, sq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :], row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D
     )
     do = _load_rows(
-        DO + b * sdo_b + h * sdo_h + (tok_q + offs_m[:, None]) * sdo_n + offs_d[None, :],
+        _token_rows(DO, sdo, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         row_ok[:, None],
         offs_d,
         HEAD_DIM,
@@ -1320,8 +1299,8 @@ def _attn_bwd_q_kernel(
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
+    V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
     _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
@@ -1333,7 +1312,7 @@ def _attn_bwd_q_kernel(
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk_n, sv_n, ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     dq, hi_sum, lo_sum = _bwd_q_range(
@@ -1449,7 +1428,7 @@ def _attn_bwd_q_kernel(
         MASKED=True,
     )
     tl.store(
-        DQ + b * sdq_b + h * sdq_h + (tok_q + offs_m[:, None]) * sdq_n + offs_d[None, :],
+        _token_rows(DQ, sdq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -1587,26 +1566,14 @@ def _attn_bwd_kv_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    sq,
+    sk,
+    sv,
+    sdo,
     skpm_b,
     sbias_h,
-    sdk_b,
-    sdk_h,
-    sdk_n,
-    sdv_b,
-    sdv_h,
-    sdv_n,
+    sdk,
+    sdv,
     seed,
     dropout_p,
     QPOS,
@@ -1657,11 +1624,11 @@ def _attn_bwd_kv_kernel(
     offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < Nk
-    K_bh = K + b * sk_b + hk * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + hk * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, hk, tok_k)
+    V_bh = _token_rows(V, sv, b, hk, tok_k)
     kv_ok = _d_mask(col_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = tl.load(K_bh + offs_n[:, None] * sk[2] + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V_bh + offs_n[:, None] * sv[2] + offs_d[None, :], mask=kv_ok, other=0.0)
     geo = Geometry(Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK)
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
@@ -1684,14 +1651,14 @@ def _attn_bwd_kv_kernel(
         bias_h = BIAS + h * sbias_h
         col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok, zk_up)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
-        Q_bh = Q + b * sq_b + h * sq_h + tok_q * sq_n
-        DO_bh = DO + b * sdo_b + h * sdo_h + tok_q * sdo_n
+        Q_bh = _token_rows(Q, sq, b, h, tok_q)
+        DO_bh = _token_rows(DO, sdo, b, h, tok_q)
         LSE_bh = LSE + row_q.to(tl.int64)
         DELTA_bh = DELTA + row_q.to(tl.int64)
         hi_sum = tl.zeros([BLOCK_N], tl.float32)
         lo_sum = tl.zeros([BLOCK_N], tl.float32)
         keys = KeyTile(k, offs_n, j_hi, zk_bh, t0, col_hi, col_lo, zk_up)
-        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq_n, sdo_n, ZQ_b, ZQE_b, q_win_base, zq_up)
+        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base, zq_up)
         head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
         drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
         dk, dv, hi_sum, lo_sum = _bwd_kv_range(
@@ -1811,14 +1778,12 @@ def _attn_bwd_kv_kernel(
             MASKED=False,
         )
     tl.store(
-        DK + b * sdk_b + hk * sdk_h + (tok_k + offs_n[:, None]) * sdk_n + offs_d[None, :],
+        _token_rows(DK, sdk, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=kv_ok,
     )
     tl.store(
-        DV + b * sdv_b + hk * sdv_h + (tok_k + offs_n[:, None]) * sdv_n + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kv_ok,
+        _token_rows(DV, sdv, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok
     )
 
 
@@ -1834,9 +1799,7 @@ def _reduce_tokens_kernel(
     DX,
     CU,
     CU_K,
-    sdx_b,
-    sdx_h,
-    sdx_n,
+    sdx,
     st_h,
     H,
     Nq_all,
@@ -1875,7 +1838,7 @@ def _reduce_tokens_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    x_rows = b * sdx_b + hx * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
+    x_rows = b * sdx[0] + hx * sdx[1] + (tok0.to(tl.int64) + offs_t[:, None]) * sdx[2] + offs_d[None, :]
     x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
     _down, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)  # named: `_` is the loop's discarded ints
@@ -1912,9 +1875,7 @@ def _reduce_table_kernel(
     DB_PART,
     CU,
     CU_K,
-    sx_b,
-    sx_h,
-    sx_n,
+    sx,
     H,
     Nq_all,
     Nk_all,
@@ -1967,7 +1928,7 @@ def _reduce_table_kernel(
         tok0 = tok_q if SIGN == 1 else tok_k
         win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
         dz_bh = DZ + row0.to(tl.int64) * WDZ
-        X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
+        X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
         for g in range(0, tl.cdiv(Ntok, GROUP)):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
             if ALIGNED:  # the host checked that every window starts on a multiple of 16: say so, for vector loads
@@ -1984,7 +1945,7 @@ def _reduce_table_kernel(
                     )
                     if HAS_TABLE:
                         x = tl.load(
-                            X_bh + offs_t[:, None] * sx_n + offs_d[None, :],
+                            X_bh + offs_t[:, None] * sx[2] + offs_d[None, :],
                             mask=_d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
                             other=0.0,
                         )
@@ -2108,7 +2069,7 @@ def _project(x, table, bias, bounds, geo, cfg, query_side):
         ends,
         _or(bounds, z),
         *geo.cu_seqlens_or(z),
-        *_strides(x),
+        _strides(x),
         geo.table_head_stride(table),
         geo.table_head_stride(bias),
         *_sizes(geo),
@@ -2202,10 +2163,10 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         _or(kpm, dummy),
         dummy,
         *geo.cu_seqlens_or(dummy),
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(o),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(o),
         kpm.stride(0) if kpm is not None else 0,
         geo.table_head_stride(bias_vec),
         *_scalar_args(geo),
@@ -2245,7 +2206,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             table,
             dx,
             *cu,
-            *_strides(dx),
+            _strides(dx),
             geo.table_head_stride(table),
             *_sizes(geo),
             red.doff,
@@ -2280,7 +2241,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         dt_part,
         db_part,
         *cu,
-        *_strides(x),
+        _strides(x),
         *_sizes(geo),
         red.doff,
         red.low,
@@ -2329,8 +2290,8 @@ def _preprocess(o, do, v, delta, cu, bounds, geo, c):
         cu,
         v,
         out,
-        *_strides(o),
-        *_strides(do),
+        _strides(o),
+        _strides(do),
         geo.heads,
         geo.nq,
         geo.total,
@@ -2425,13 +2386,13 @@ def _backward(do, saved, geo, cfg):
         dz_bounds,
         copy_map,
         *cu,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dq),
+        _strides(dq),
         *_scalar_args(geo),
         dz.units(True),
         geo.qk_scale,
@@ -2467,14 +2428,14 @@ def _backward(do, saved, geo, cfg):
         dz_bounds,
         copy_map,
         *cu,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dk),
-        *_strides(dv),
+        _strides(dk),
+        _strides(dv),
         *_scalar_args(geo),
         key_units,
         geo.qk_scale,
