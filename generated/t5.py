@@ -162,6 +162,16 @@ class Dropout(NamedTuple):
     pos_k: tl.tensor
 
 
+class KeyBoxes(NamedTuple):
+    """The forward's TMA descriptors over K and V [B, H_kv, N, d] (None without TMA), and the batch and key/value
+    head of its boxes."""
+
+    k_desc: tl.tensor
+    v_desc: tl.tensor
+    b: tl.tensor
+    hk: tl.tensor
+
+
 class KeySource(NamedTuple):
     """Where a query-parallel program reads its key tiles: K and V from its sequence's first key on, with their
     token strides, the rows of Z̃^K and of its end buffer from that key on, the base of the key groups' windows
@@ -675,14 +685,11 @@ def _fwd_range(
     m_i,
     queries: QueryTile,
     keys: KeySource,
+    boxes: KeyBoxes,
     geo: Geometry,
     head: HeadTerms,
     drop: Dropout,
     qk_scale,
-    k_desc,
-    v_desc,
-    b,
-    hk,
     lo,
     hi,
     HEAD_DIM: tl.constexpr,
@@ -696,10 +703,10 @@ def _fwd_range(
     MODE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Key tiles [lo, hi) of one query tile, all of one kind (MODE), into the running (acc, ℓ, m). k_desc, v_desc:
-    the TMA descriptors over K and V, and the batch b and key/value head hk of their boxes."""
+    """Key tiles [lo, hi) of one query tile, all of one kind (MODE), into the running (acc, ℓ, m)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_m = queries.offs_m
+    b, hk = boxes.b, boxes.hk
     # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each for K
     # and V (no address tensors in registers, no predicates); every other tile lists its keys down (_key_tile)
     UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
@@ -707,8 +714,8 @@ def _fwd_range(
         if UP:
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j_hi = tile * BLOCK_N + BLOCK_N - 1
-            k = k_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
-            v = v_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            k = boxes.k_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            v = boxes.v_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
         else:
             offs_n, j_hi = _key_tile(tile, BLOCK_N)
             kv_ok = _d_mask(offs_n[:, None] < geo.Nk, offs_d, HEAD_DIM, BLOCK_D)
@@ -854,118 +861,25 @@ def _attn_fwd_kernel(
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
     keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
+    boxes = KeyBoxes(K_DESC, V_DESC, b, h // KV_GROUP)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     # the band first: its gathers of Z̃^Q come while those rows are freshest in cache (the softmax is order-free;
     # H200, Shaw 8K: 1.24 → 1.23 ms, DeBERTa 512: 0.561 → 0.553)
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        queries,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        K_DESC,
-        V_DESC,
-        b,
-        h // KV_GROUP,
-        n_hi,
-        n_lo,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-        MODE=BAND,
-        MASKED=False,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        queries,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        K_DESC,
-        V_DESC,
-        b,
-        h // KV_GROUP,
-        0,
-        n_hi,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-        MODE=SAT_HIGH,
-        MASKED=False,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        queries,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        K_DESC,
-        V_DESC,
-        b,
-        h // KV_GROUP,
-        n_lo,
-        n_valid,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-        MODE=SAT_LOW,
-        MASKED=False,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        queries,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        K_DESC,
-        V_DESC,
-        b,
-        h // KV_GROUP,
-        n_valid,
-        n_end,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-        MODE=BAND,
-        MASKED=True,
-    )
+    # fmt: off
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_hi, n_lo,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=BAND, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, 0, n_hi,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=SAT_HIGH, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_lo, n_valid,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=SAT_LOW, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_valid, n_end,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=BAND, MASKED=True)
+    # fmt: on
     # a row with no key to attend to has ℓ = 0: its output is 0 and its LSE −inf
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -1317,118 +1231,20 @@ def _attn_bwd_q_kernel(
     keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        queries,
-        do,
-        lse2,
-        Di,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        tau,
-        dzq_rows,
-        dz_down,
-        0,
-        n_hi,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        MODE=SAT_HIGH,
-        MASKED=False,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        queries,
-        do,
-        lse2,
-        Di,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        tau,
-        dzq_rows,
-        dz_down,
-        n_hi,
-        n_lo,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        MODE=BAND,
-        MASKED=False,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        queries,
-        do,
-        lse2,
-        Di,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        tau,
-        dzq_rows,
-        dz_down,
-        n_lo,
-        n_valid,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        MODE=SAT_LOW,
-        MASKED=False,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        queries,
-        do,
-        lse2,
-        Di,
-        keys,
-        geo,
-        head,
-        drop,
-        qk_scale,
-        tau,
-        dzq_rows,
-        dz_down,
-        n_valid,
-        n_end,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        MODE=BAND,
-        MASKED=True,
-    )
+    # fmt: off
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, 0, n_hi, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=SAT_HIGH, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_hi, n_lo, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=BAND, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_lo, n_valid, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=SAT_LOW, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_valid, n_end, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=BAND, MASKED=True)
+    # fmt: on
     tl.store(
         _token_rows(DQ, sdq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
@@ -1536,6 +1352,7 @@ def _bwd_kv_range(
             MASKED=MASKED,
             KEY_MAJOR=KEY_MAJOR,
         )
+        # dV's product before dS is formed: issued after it, the pass holds more registers
         if KEY_MAJOR:  # [BN, BM]: P' and dS are the A operands of dV's and dK's products as they stand
             dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
         else:
@@ -1663,122 +1480,24 @@ def _attn_bwd_kv_kernel(
         queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base, zq_up)
         head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
         drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            keys,
-            v,
-            queries,
-            geo,
-            head,
-            drop,
-            qk_scale,
-            tau,
-            dzk_rows,
-            dz_down,
-            m_start,
-            m_valid,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-            MODE=BAND,
-            MASKED=True,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            keys,
-            v,
-            queries,
-            geo,
-            head,
-            drop,
-            qk_scale,
-            tau,
-            dzk_rows,
-            dz_down,
-            m_valid,
-            m_lo,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-            MODE=SAT_LOW,
-            MASKED=False,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            keys,
-            v,
-            queries,
-            geo,
-            head,
-            drop,
-            qk_scale,
-            tau,
-            dzk_rows,
-            dz_down,
-            m_lo,
-            m_hi,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-            MODE=BAND,
-            MASKED=False,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            keys,
-            v,
-            queries,
-            geo,
-            head,
-            drop,
-            qk_scale,
-            tau,
-            dzk_rows,
-            dz_down,
-            m_hi,
-            m_end,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-            MODE=SAT_HIGH,
-            MASKED=False,
-        )
+        # fmt: off
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_start, m_valid, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=BAND, MASKED=True)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_valid, m_lo, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=SAT_LOW, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_lo, m_hi, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=BAND, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_hi, m_end, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=SAT_HIGH, MASKED=False)
+        # fmt: on
     tl.store(
         _token_rows(DK, sdk, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
