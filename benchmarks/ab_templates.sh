@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # A/B of two kernel templates on one GPU, alternating rounds in fresh processes (a development aid):
 #
-#   bash benchmarks/ab_templates.sh OTHER_TEMPLATE OUT.jsonl [ROUNDS] [SPECS] [LENGTHS]
+#   bash benchmarks/ab_templates.sh OTHER OUT.jsonl [ROUNDS] [SPECS] [LENGTHS]
 #
 # times relgen (benchmarks/quick_timing.py: fwd and bwd, 16K tokens, fp16) from this tree ("current") and from a
-# copy of it whose templates/mechanism.py.j2 is OTHER_TEMPLATE ("other"), ROUNDS times each (default 2), and
-# appends one JSON line per measurement, tagged with the template and the round, to OUT.jsonl. The tree itself is
-# never changed, so other processes may compile from it meanwhile.
+# copy of it ("other"), ROUNDS times each (default 2), and appends one JSON line per measurement, tagged with the
+# template and the round, to OUT.jsonl. OTHER is a template file, which replaces the copy's
+# templates/mechanism.py.j2, or a tree (a directory, e.g. `git archive main | tar -x -C DIR`), whose relgen/ and
+# templates/ replace the copy's (templates/parts/ and the runtime they launch through change together). The tree
+# itself is never changed, so other processes may compile from it meanwhile.
 set -u
-other=${1:?template to compare with}
+other=${1:?template or tree to compare with}
 out=${2:?output .jsonl}
 rounds=${3:-2}
 specs=${4:-shaw,txl,deberta_v3,t5}
 lengths=${5:-512,1024,8192}
 copy=$(mktemp -d /tmp/ab-other-XXXX)
 cp -r relgen benchmarks specs templates "$copy/"
-cp "$other" "$copy/templates/mechanism.py.j2"
+if [ -d "$other" ]; then
+    rm -rf "$copy/relgen" "$copy/templates"
+    cp -r "$other/relgen" "$other/templates" "$copy/"
+else
+    cp "$other" "$copy/templates/mechanism.py.j2"
+fi
 for round in $(seq "$rounds"); do
     for which in other current; do
         root=$PWD

@@ -56,7 +56,7 @@ def record(
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
         params = list(inspect.signature(fn).parameters.values())
-        signature, constexprs, attrs = {}, {}, {}
+        signature, constexprs, attrs, elements = {}, {}, {}, {}
         values = dict(zip([p.name for p in params], args, strict=False))
         values.update({k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
         # the launched object's own list: a kernel's twin leaves other integers to run time
@@ -71,7 +71,9 @@ def record(
             # and 16-byte aligned pointers get a divisibility hint), so this check cannot drift from it
             kind, key = native_specialize_impl(CUDABackend, value, False, p.name not in unspecialised, True)
             signature[p.name] = kind
-            if kind == "constexpr":
+            if isinstance(kind, tuple):  # a tuple argument (strides): specialised element by element
+                elements[p.name] = key
+            elif kind == "constexpr":
                 constexprs[p.name] = key
             elif key:
                 attrs[p.name] = key
@@ -82,6 +84,7 @@ def record(
                 "signature": signature,
                 "constexprs": constexprs,
                 "attrs": attrs,
+                "elements": elements,
                 "num_warps": kwargs.get("num_warps", 4),
                 "num_stages": kwargs.get("num_stages", 2),
             }
@@ -132,7 +135,7 @@ def record(
     seen, unique = set(), []
     for launch in launches:
         key = json.dumps(
-            [launch["kernel"], launch["signature"], launch["constexprs"], launch["attrs"]],
+            [launch["kernel"], launch["signature"], launch["constexprs"], launch["attrs"], launch["elements"]],
             sort_keys=True,
             default=str,
         )
@@ -200,8 +203,16 @@ def compile_all(launches: list[dict], arch: int, show_memory_ops: bool) -> int:
         # the JITFunction under a relgen.runtime.launch.Launcher (a bare JITFunction's `kernel` is None)
         fn = getattr(fn, "kernel", None) or fn
         names = [p.name for p in fn.params]
+        signature, constexprs = dict(launch["signature"]), dict(launch["constexprs"])
         attrs = {(names.index(name),): CUDABackend.parse_attr(key) for name, key in launch["attrs"].items()}
-        src = ASTSource(fn, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
+        for name, keys in launch["elements"].items():  # a tuple's elements, as Triton's own launch keys them
+            signature[name] = tuple(signature[name])  # (JSON gave a list)
+            for i, (kind, key) in enumerate(zip(signature[name], keys, strict=True)):
+                if kind == "constexpr":
+                    constexprs[(names.index(name), i)] = key
+                elif key:
+                    attrs[(names.index(name), i)] = CUDABackend.parse_attr(key)
+        src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
         opts = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)

@@ -10,6 +10,8 @@
 wav2vec2_bert: map=clipped terms=query R=73 path=offset saturation=[-8, 64] C=73 copies=no causal=False shared_tables=True
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -68,6 +70,12 @@ SAT_HIGH = tl.constexpr(0)  # every offset ≥ U: one entry per query and per ke
 BAND = tl.constexpr(1)  # per-score gather at column s(δ)
 SAT_LOW = tl.constexpr(2)  # every offset ≤ L
 INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly inside (L, U): no predicates
+# plan facts that kernels test as values
+CAUSAL = tl.constexpr(False)  # a query sees only keys at δ ≥ 0
+# an edge band tile of the forward reads its entries at the clipped columns (see _score_tile)
+CLIP_BAND = tl.constexpr(True)
+# b̃ is folded into the Z̃^Q rows that the forward's programs write
+FOLD_QUERY_BIAS = tl.constexpr(False)
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
@@ -83,6 +91,119 @@ _BWD_RUNTIME = [*_FWD_RUNTIME, "WDZ_A"]
 _LENGTHS = ["Nq_all", "Nk_all"]
 # every kernel is launched through relgen.runtime.launch.Launcher: a launch like one made before skips Triton's per-call
 # specialisation of its ~40 arguments (host time that dominates a call at N ≤ 1K)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bundles: what the attention kernels hand their helpers, named once
+# ------------------------------------------------------------------------------------------------------------
+class Geometry(NamedTuple):
+    """One sequence's extent and relation geometry: its lengths, the offset DOFF between query and key positions
+    (query i meets key j at δ = i + DOFF − j), the saturation bounds L and U, the band's C columns, the window
+    widths and the row strides of Z̃^Q and Z̃^K (in elements)."""
+
+    Nq: tl.tensor
+    Nk: tl.tensor
+    DOFF: tl.tensor
+    LOW: tl.tensor
+    HIGH: tl.tensor
+    C: tl.tensor
+    WQ: tl.tensor
+    WK: tl.tensor
+    ZSQ: tl.tensor
+    ZSK: tl.tensor
+
+
+class QueryTile(NamedTuple):
+    """A score tile's queries: q [BM, BLOCK_D] at positions offs_m, their rows of Z̃^Q (zq_bh: the sequence's first,
+    or Ã^Q's head without projections), the first column s0 of their group's window, their end-column entries
+    (_ends) and Z̃^Q's storage scale 2^s (_z_scales)."""
+
+    q: tl.tensor
+    offs_m: tl.tensor
+    zq_bh: tl.tensor
+    s0: tl.tensor
+    row_hi: tl.tensor
+    row_lo: tl.tensor
+    zq_up: tl.tensor
+
+
+class KeyTile(NamedTuple):
+    """A score tile's keys: k [BN, BLOCK_D] at positions offs_n (listed down from j_hi: _key_tile), their rows of
+    Z̃^K, the first column t0 of their group's window, their end-column entries and Z̃^K's storage scale."""
+
+    k: tl.tensor
+    offs_n: tl.tensor
+    j_hi: tl.tensor
+    zk_bh: tl.tensor
+    t0: tl.tensor
+    col_hi: tl.tensor
+    col_lo: tl.tensor
+    zk_up: tl.tensor
+
+
+class HeadTerms(NamedTuple):
+    """What a score tile reads per batch and head besides its queries and keys: b̃'s row (bias-only schemes), the
+    key padding mask's row, the copy map β and b̃'s end entries (_bias_ends)."""
+
+    bias_h: tl.tensor
+    kpm_b: tl.tensor
+    copy_map: tl.tensor
+    b_hi: tl.tensor
+    b_lo: tl.tensor
+
+
+class Dropout(NamedTuple):
+    """What a score's keep decision is drawn from (relgen.runtime.dropout.dropout_keep): the program's batch·head,
+    the seed, the rate p, the heads, and the absolute positions of query 0 and key 0."""
+
+    bh: tl.tensor
+    seed: tl.tensor
+    dropout_p: tl.tensor
+    H: tl.tensor
+    pos_q: tl.tensor
+    pos_k: tl.tensor
+
+
+class KeyBoxes(NamedTuple):
+    """The forward's TMA descriptors over K and V [B, H_kv, N, d] (None without TMA), and the batch and key/value
+    head of its boxes."""
+
+    k_desc: tl.tensor
+    v_desc: tl.tensor
+    b: tl.tensor
+    hk: tl.tensor
+
+
+class KeySource(NamedTuple):
+    """Where a query-parallel program reads its key tiles: K and V from its sequence's first key on, with their
+    token strides, the rows of Z̃^K and of its end buffer from that key on, the base of the key groups' windows
+    (_window_base) and Z̃^K's storage scale."""
+
+    K: tl.tensor
+    V: tl.tensor
+    sk_n: tl.tensor
+    sv_n: tl.tensor
+    ZK: tl.tensor
+    ZKE: tl.tensor
+    win_base: tl.tensor
+    zk_up: tl.tensor
+
+
+class QuerySource(NamedTuple):
+    """Where the key pass reads its query tiles: Q, dO, the LSE and D = rowsum(dO ∘ O) from its sequence's first
+    query on, the token strides of Q and dO, the rows of Z̃^Q and of its end buffer, the base of the query groups'
+    windows and Z̃^Q's storage scale."""
+
+    Q: tl.tensor
+    DO: tl.tensor
+    LSE: tl.tensor
+    DELTA: tl.tensor
+    sq_n: tl.tensor
+    sdo_n: tl.tensor
+    ZQ: tl.tensor
+    ZQE: tl.tensor
+    win_base: tl.tensor
+    zq_up: tl.tensor
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -108,6 +229,13 @@ def _window_base(SIGN: tl.constexpr, DOFF, nk, LOW, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _token_rows(T, strides, b, h, tok):
+    """T's entries of batch b, head h at tokens tok (a scalar or a tensor of tokens). strides: T's (batch, head,
+    token) strides, as the host's _strides gives them."""
+    return T + b * strides[0] + h * strides[1] + tok * strides[2]
+
+
+@triton.jit
 def _sequence(bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN: tl.constexpr):
     """Where the sequence of program (batch·head) `bh` lives: its first query and first key token, its Nq and Nk,
     the rows of its first query and first key in the internal buffers, and its offset between query and key
@@ -130,11 +258,10 @@ def _cdiv_nonneg(a, b):
 
 
 @triton.jit
-def _key_runs(
-    i0, Nk, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
-):
+def _key_runs(i0, geo: Geometry, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REUSE: tl.constexpr):
     """Key tiles of query tile [i0, i0+BM): [0, hi) saturated high, [hi, lo) band, [lo, valid) saturated low,
     [valid, end) masked (partial last tile, causal diagonal). Scalars only: no per-tile branch in the loop."""
+    Nk, DOFF, LOW, HIGH = geo.Nk, geo.DOFF, geo.LOW, geo.HIGH
     if CAUSAL:
         n_valid = tl.minimum(Nk // BLOCK_N, tl.maximum(i0 + DOFF + 1, 0) // BLOCK_N)
         n_end = tl.minimum(tl.cdiv(Nk, BLOCK_N), _cdiv_nonneg(i0 + BLOCK_M + DOFF, BLOCK_N))
@@ -150,12 +277,11 @@ def _key_runs(
 
 
 @triton.jit
-def _query_runs(
-    j0, Nq, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, REUSE: tl.constexpr
-):
+def _query_runs(j0, geo: Geometry, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REUSE: tl.constexpr):
     """Query tiles of key tile [j0, j0+BN): [start, valid) masked (causal diagonal), then [valid, lo) saturated
     low, [lo, hi) band, [hi, end) saturated high. A partial last query tile needs no mask: its missing rows
     carry LSE = +inf, so P = 0 there."""
+    Nq, DOFF, LOW, HIGH = geo.Nq, geo.DOFF, geo.LOW, geo.HIGH
     n_end = tl.cdiv(Nq, BLOCK_M)
     if CAUSAL:
         m_start = tl.minimum(tl.maximum(j0 - DOFF - BLOCK_M + 1, 0) // BLOCK_M, n_end)
@@ -172,10 +298,11 @@ def _query_runs(
 
 
 @triton.jit
-def _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _inner_keys(i0, n_hi, n_lo, geo: Geometry, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The interior [a, b) of the band run [hi, lo) of query tile [i0, i0+BM): key tiles whose every pair has
     L < δ < U (none unless the query tile is full). Such a tile reads no end column and adds nothing to the
     boundary sums, and all its queries and keys exist, so it runs without a single predicate."""
+    Nq, DOFF, LOW, HIGH = geo.Nq, geo.DOFF, geo.LOW, geo.HIGH
     top = i0 + BLOCK_M - 1 + DOFF - HIGH  # δ_max < U from key tile ⌊top / BN⌋ + 1 on
     first = tl.where(top >= 0, top // BLOCK_N + 1, 0)
     last = tl.maximum(i0 + DOFF - LOW, 0) // BLOCK_N  # δ_min > L before key tile ⌊(i0 + DOFF − L) / BN⌋
@@ -185,9 +312,10 @@ def _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
-def _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _inner_queries(j0, m_lo, m_hi, geo: Geometry, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The interior [a, b) of the band run [lo, hi) of key tile [j0, j0+BN): full query tiles whose every pair has
     L < δ < U (none unless the key tile is full); see _inner_keys."""
+    Nq, Nk, DOFF, LOW, HIGH = geo.Nq, geo.Nk, geo.DOFF, geo.LOW, geo.HIGH
     bottom = LOW - DOFF + j0 + BLOCK_N - 1  # δ_min > L from query tile ⌊bottom / BM⌋ + 1 on
     first = tl.where(bottom >= 0, bottom // BLOCK_M + 1, 0)
     last = tl.minimum(tl.maximum(HIGH - DOFF + j0, 0) // BLOCK_M, Nq // BLOCK_M)  # δ_max < U, full tiles
@@ -369,51 +497,30 @@ def _transpose_if(x, COND: tl.constexpr):
 
 @triton.jit
 def _score_tile(
-    q,
-    k,
-    offs_m,
-    offs_n,
-    j_hi,
-    zq_bh,
-    zk_bh,
-    bias_h,
-    kpm_b,
-    copy_map,
-    s0,
-    t0,
-    row_hi,
-    row_lo,
-    col_hi,
-    col_lo,
-    b_hi,
-    b_lo,
-    Nq,
-    Nk,
-    DOFF,
-    LOW,
-    HIGH,
-    C,
-    WQ,
-    ZSQ,
-    ZSK,
+    queries: QueryTile,
+    keys: KeyTile,
+    geo: Geometry,
+    head: HeadTerms,
     qk_scale,
-    zq_up,
-    zk_up,
     BLOCK_N: tl.constexpr,
-    MODE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     PREC: tl.constexpr,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
     CLIP: tl.constexpr,
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
-    row_* / col_* / b_*: the end-column entries of the tile's queries, keys and b̃ (see _ends). zq_up, zk_up: the
-    storage scales 2^s of Z̃^Q and Z̃^K (_z_scales), by which the band entries read from them are multiplied.
-    The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. CLIP: an edge tile reads its entries at
-    the clipped columns (_clamped_run), which only the forward does (GenerationFlags.clip_band says where)."""
+    Band entries read from Z̃^Q and Z̃^K are multiplied by their storage scales (zq_up, zk_up).
+    The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. MASKED: the tile meets the causal diagonal,
+    a local window's edge or the keys' end. CLIP: an edge tile reads its entries at the clipped columns
+    (_clamped_run), which only the forward does (CLIP_BAND)."""
+    q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up = queries
+    k, offs_n, j_hi, zk_bh, t0, col_hi, col_lo, zk_up = keys
+    Nq, Nk, DOFF, LOW, HIGH = geo.Nq, geo.Nk, geo.DOFF, geo.LOW, geo.HIGH
+    C, WQ, ZSQ, ZSK = geo.C, geo.WQ, geo.ZSQ, geo.ZSK
+    bias_h, kpm_b, copy_map, b_hi, b_lo = head
     if KEY_MAJOR:
         qk = tl.dot(k, tl.trans(q), input_precision=PREC)
     else:
@@ -536,9 +643,7 @@ def _project_kernel(
     BOUNDS,
     CU,
     CU_K,
-    sx_b,
-    sx_h,
-    sx_n,
+    sx,
     st_h,
     sb_h,
     H,
@@ -577,8 +682,8 @@ def _project_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
-    x = _load_rows(X_bh + offs_t[:, None] * sx_n + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+    X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
+    x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
@@ -611,62 +716,30 @@ def _fwd_range(
     acc,
     l_i,
     m_i,
-    q,
-    K,
-    V,
-    sk_n,
-    sv_n,
-    k_desc,
-    v_desc,
-    b,
-    hk,
-    offs_m,
-    zq_bh,
-    ZK_b,
-    ZKE_b,
-    bias_h,
-    kpm_b,
-    copy_map,
-    s0,
-    row_hi,
-    row_lo,
-    b_hi,
-    b_lo,
-    zq_up,
-    zk_up,
+    queries: QueryTile,
+    keys: KeySource,
+    boxes: KeyBoxes,
+    geo: Geometry,
+    head: HeadTerms,
+    drop: Dropout,
+    qk_scale,
     lo,
     hi,
-    bh,
-    seed,
-    dropout_p,
-    H,
-    pos_q,
-    pos_k,
-    Nq,
-    Nk,
-    DOFF,
-    LOW,
-    HIGH,
-    C,
-    WQ,
-    WK,
-    ZSQ,
-    ZSK,
-    k_win_base,
-    qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
-    MODE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
     TMA: tl.constexpr,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    """Key tiles [lo, hi) of one query tile, all of one kind (MODE), into the running (acc, ℓ, m)."""
     offs_d = tl.arange(0, BLOCK_D)
+    offs_m = queries.offs_m
+    b, hk = boxes.b, boxes.hk
     # a saturated tile's keys all exist and its scores need no band order: ascending keys, one TMA box each for K
     # and V (no address tensors in registers, no predicates); every other tile lists its keys down (_key_tile)
     UP: tl.constexpr = TMA and ((MODE == SAT_HIGH) or (MODE == SAT_LOW))
@@ -674,54 +747,29 @@ def _fwd_range(
         if UP:
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             j_hi = tile * BLOCK_N + BLOCK_N - 1
-            k = k_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
-            v = v_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            k = boxes.k_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
+            v = boxes.v_desc.load([b, hk, tile * BLOCK_N, 0]).reshape([BLOCK_N, BLOCK_D])
         else:
             offs_n, j_hi = _key_tile(tile, BLOCK_N)
-            kv_ok = _d_mask(offs_n[:, None] < Nk, offs_d, HEAD_DIM, BLOCK_D)
-            k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
-        t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
-        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk, zk_up)
+            kv_ok = _d_mask(offs_n[:, None] < geo.Nk, offs_d, HEAD_DIM, BLOCK_D)
+            k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
+        t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < geo.Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
         x, c = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            j_hi,
-            zq_bh,
-            ZK_b,
-            bias_h,
-            kpm_b,
-            copy_map,
-            s0,
-            t0,
-            row_hi,
-            row_lo,
-            col_hi,
-            col_lo,
-            b_hi,
-            b_lo,
-            Nq,
-            Nk,
-            DOFF,
-            LOW,
-            HIGH,
-            C,
-            WQ,
-            ZSQ,
-            ZSK,
+            queries,
+            key_tile,
+            geo,
+            head,
             qk_scale,
-            zq_up,
-            zk_up,
             BLOCK_N,
-            MODE,
-            MASKED,
-            CAUSAL,
             HAS_KPM,
             PREC,
-            False,
-            True,
+            MODE=MODE,
+            MASKED=MASKED,
+            KEY_MAJOR=False,
+            CLIP=CLIP_BAND,
         )
         m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale + c)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far stay at zero
@@ -730,8 +778,21 @@ def _fwd_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             j_first = tile * BLOCK_N if UP else j_hi
-            keep = dropout_keep(seed, bh, H, offs_m, j_first, pos_q, pos_k, dropout_p, BLOCK_N, not UP, False, DROPOUT)
-            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+            keep = dropout_keep(
+                drop.seed,
+                drop.bh,
+                drop.H,
+                offs_m,
+                j_first,
+                drop.pos_q,
+                drop.pos_k,
+                drop.dropout_p,
+                BLOCK_N,
+                DESCENDING=not UP,
+                KEY_MAJOR=False,
+                MODE=DROPOUT,
+            )
+            p = tl.where(keep, p / (1.0 - drop.dropout_p), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -757,18 +818,10 @@ def _attn_fwd_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    so_b,
-    so_h,
-    so_n,
+    sq,
+    sk,
+    sv,
+    so,
     skpm_b,
     sbias_h,
     seed,
@@ -798,7 +851,6 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     KV_GROUP: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -823,21 +875,21 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
+        _token_rows(Q, sq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         offs_m[:, None] < Nq,
         offs_d,
         HEAD_DIM,
         BLOCK_D,
     )
-    k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
+    geo = Geometry(Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK)
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
     ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
+    V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
     zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
@@ -858,7 +910,7 @@ def _attn_fwd_kernel(
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
-        False,
+        FOLD_QUERY_BIAS,
         PREC,
     )
     tl.debug_barrier()  # other threads of this program read those stores back
@@ -868,182 +920,42 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
-    args = (
-        bh,
-        seed,
-        dropout_p,
-        H,
-        QPOS,
-        QPOS - DOFF0,
-        Nq,
-        Nk,
-        DOFF,
-        LOW,
-        HIGH,
-        C,
-        WQ,
-        WK,
-        ZSQ,
-        ZSK,
-        k_win_base,
-        qk_scale,
-    )
-    common = (
-        q,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        K_DESC,
-        V_DESC,
-        b,
-        h // KV_GROUP,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        ZKE_b,
-        bias_h,
-        kpm_b,
-        COPY_MAP,
-        s0,
-        row_hi,
-        row_lo,
-        b_hi,
-        b_lo,
-        zq_up,
-        zk_up,
-    )
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
+    n_in, n_out = _inner_keys(i0, n_hi, n_lo, geo, BLOCK_M, BLOCK_N)
+    queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
+    boxes = KeyBoxes(K_DESC, V_DESC, b, h // KV_GROUP)
+    head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
+    drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     # the band first: its gathers of Z̃^Q come while those rows are freshest in cache (the softmax is order-free;
     # H200, Shaw 8K: 1.24 → 1.23 ms, DeBERTa 512: 0.561 → 0.553)
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_hi,
-        n_in,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_in,
-        n_out,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        INNER,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_out,
-        n_lo,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        0,
-        n_hi,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        SAT_HIGH,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_lo,
-        n_valid,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        SAT_LOW,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
-    acc, l_i, m_i = _fwd_range(
-        acc,
-        l_i,
-        m_i,
-        *common,
-        n_valid,
-        n_end,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        True,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-        TMA,
-    )
+    # fmt: off
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_hi, n_in,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=BAND, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_in, n_out,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=INNER, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_out, n_lo,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=BAND, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, 0, n_hi,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=SAT_HIGH, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_lo, n_valid,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=SAT_LOW, MASKED=False)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, queries, keys, boxes, geo, head, drop, qk_scale, n_valid, n_end,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, TMA,
+                               MODE=BAND, MASKED=True)
+    # fmt: on
     # a row with no key to attend to has ℓ = 0: its output is 0 and its LSE −inf
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     row_ok = offs_m < Nq
     tl.store(
-        O + b * so_b + h * so_h + (tok_q + offs_m[:, None]) * so_n + offs_d[None, :],
+        _token_rows(O, so, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         out.to(O.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -1062,12 +974,8 @@ def _bwd_preprocess_kernel(
     CU,
     V,
     DZ_BOUNDS,
-    so_b,
-    so_h,
-    so_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    so,
+    sdo,
     H,
     Nq_all,
     TOTAL,
@@ -1102,10 +1010,10 @@ def _bwd_preprocess_kernel(
         tok0 = tok0.to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
-        o = tl.load(O + b * so_b + h * so_h + (tok0 + offs_m[:, None]) * so_n + offs_d[None, :], mask=ok, other=0.0)
-        do = tl.load(
-            DO + b * sdo_b + h * sdo_h + (tok0 + offs_m[:, None]) * sdo_n + offs_d[None, :], mask=ok, other=0.0
-        ).to(tl.float32)
+        o = tl.load(_token_rows(O, so, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(_token_rows(DO, sdo, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0).to(
+            tl.float32
+        )
         tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
         if BOUNDS:
             best = tl.maximum(best, row_norms(do))
@@ -1123,27 +1031,81 @@ def _probabilities(
     c,
     qk_scale,
     lse2,
-    bh,
-    seed,
-    dropout_p,
+    drop: Dropout,
     offs_m,
     j_hi,
-    H,
-    pos_q,
-    pos_k,
-    DROPOUT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
 ):
     """P (for dV), and P' = P∘keep/(1−p) folded into dS's product with dP; without dropout both are P.
     x, c: the scores as _score_tile gives them, for the keys j_hi, j_hi − 1, … (_key_tile)."""
     p = tl.exp2(x * qk_scale - _along_queries(lse2 - c, KEY_MAJOR))
     if DROPOUT:
-        keep = dropout_keep(seed, bh, H, offs_m, j_hi, pos_q, pos_k, dropout_p, BLOCK_N, True, KEY_MAJOR, DROPOUT)
-        p_kept = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        keep = dropout_keep(
+            drop.seed,
+            drop.bh,
+            drop.H,
+            offs_m,
+            j_hi,
+            drop.pos_q,
+            drop.pos_k,
+            drop.dropout_p,
+            BLOCK_N,
+            DESCENDING=True,
+            KEY_MAJOR=KEY_MAJOR,
+            MODE=DROPOUT,
+        )
+        p_kept = tl.where(keep, p / (1.0 - drop.dropout_p), 0.0)
     else:
         p_kept = p
     return p, p_kept
+
+
+@triton.jit
+def _tile_probabilities(
+    queries: QueryTile,
+    keys: KeyTile,
+    lse2,
+    geo: Geometry,
+    head: HeadTerms,
+    drop: Dropout,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    PREC: tl.constexpr,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
+    KEY_MAJOR: tl.constexpr,
+):
+    """What both backward passes recompute of one score tile: its scores (_score_tile), then P and P'
+    (_probabilities), from the queries' LSE (log2). [BM, BN], or [BN, BM] when KEY_MAJOR."""
+    x, c = _score_tile(
+        queries,
+        keys,
+        geo,
+        head,
+        qk_scale,
+        BLOCK_N,
+        HAS_KPM,
+        PREC,
+        MODE=MODE,
+        MASKED=MASKED,
+        KEY_MAJOR=KEY_MAJOR,
+        CLIP=False,
+    )
+    return _probabilities(x, c, qk_scale, lse2, drop, queries.offs_m, keys.j_hi, BLOCK_N, DROPOUT, KEY_MAJOR)
+
+
+@triton.jit
+def _score_gradient(p, p_kept, v, do, Di, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr):
+    """dS = P'∘dP − P∘D of a tile, dP = dO·Vᵀ: v the keys' values, do and Di = rowsum(dO ∘ O) the queries'."""
+    if KEY_MAJOR:
+        dp = tl.dot(v, tl.trans(do), input_precision=PREC)
+    else:
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return p_kept * dp - p * _along_queries(Di, KEY_MAJOR)
 
 
 @triton.jit
@@ -1151,115 +1113,60 @@ def _bwd_q_range(
     dq,
     hi_sum,
     lo_sum,
-    q,
+    queries: QueryTile,
     do,
     lse2,
     Di,
-    K,
-    V,
-    sk_n,
-    sv_n,
-    offs_m,
-    zq_bh,
-    ZK_b,
-    ZKE_b,
-    bias_h,
-    kpm_b,
-    s0,
-    row_hi,
-    row_lo,
-    b_hi,
-    b_lo,
-    zq_up,
-    zk_up,
-    dzq_rows,
-    dz_down,
-    copy_map,
-    lo,
-    hi,
-    bh,
-    seed,
-    dropout_p,
-    H,
-    pos_q,
-    pos_k,
-    Nq,
-    Nk,
-    DOFF,
-    LOW,
-    HIGH,
-    C,
-    WQ,
-    WK,
-    ZSQ,
-    ZSK,
-    k_win_base,
+    keys: KeySource,
+    geo: Geometry,
+    head: HeadTerms,
+    drop: Dropout,
     qk_scale,
     tau,
+    dzq_rows,
+    dz_down,
+    lo,
+    hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
-    MODE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    """Key tiles [lo, hi) of one query tile, all of one kind (MODE): dQ's direct part, and dZ̃^Q's entries (the
+    band's, stored, and the sums at the end columns, kept on chip)."""
     offs_d = tl.arange(0, BLOCK_D)
+    offs_m, s0 = queries.offs_m, queries.s0
+    Nq, Nk, DOFF, LOW, HIGH = geo.Nq, geo.Nk, geo.DOFF, geo.LOW, geo.HIGH
     for tile in range(lo, hi):
         offs_n, j_hi = _key_tile(tile, BLOCK_N)
         kv_ok = _d_mask(offs_n[:, None] < Nk, offs_d, HEAD_DIM, BLOCK_D)
-        k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(V + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
-        t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, k_win_base, C, WK)
-        col_hi, col_lo = _key_ends(ZKE_b, offs_n, offs_n < Nk, zk_up)
-        x, c = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            j_hi,
-            zq_bh,
-            ZK_b,
-            bias_h,
-            kpm_b,
-            copy_map,
-            s0,
-            t0,
-            row_hi,
-            row_lo,
-            col_hi,
-            col_lo,
-            b_hi,
-            b_lo,
-            Nq,
-            Nk,
-            DOFF,
-            LOW,
-            HIGH,
-            C,
-            WQ,
-            ZSQ,
-            ZSK,
+        k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
+        t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
+        p, p_kept = _tile_probabilities(
+            queries,
+            key_tile,
+            lse2,
+            geo,
+            head,
+            drop,
             qk_scale,
-            zq_up,
-            zk_up,
             BLOCK_N,
-            MODE,
-            MASKED,
-            CAUSAL,
             HAS_KPM,
+            DROPOUT,
             PREC,
-            False,
-            False,
+            MODE=MODE,
+            MASKED=MASKED,
+            KEY_MAJOR=False,
         )
-        p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, H, pos_q, pos_k, DROPOUT, BLOCK_N, False
-        )
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p_kept * dp - p * Di[:, None]
+        ds = _score_gradient(p, p_kept, v, do, Di, PREC, KEY_MAJOR=False)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         tds = ds * tau
         if MODE == SAT_HIGH:
@@ -1305,23 +1212,13 @@ def _attn_bwd_q_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    sq,
+    sk,
+    sv,
+    sdo,
     skpm_b,
     sbias_h,
-    sdq_b,
-    sdq_h,
-    sdq_n,
+    sdq,
     seed,
     dropout_p,
     QPOS,
@@ -1347,7 +1244,6 @@ def _attn_bwd_q_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     KV_GROUP: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -1368,14 +1264,10 @@ def _attn_bwd_q_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Nq
     q = _load_rows(
-        Q + b * sq_b + h * sq_h + (tok_q + offs_m[:, None]) * sq_n + offs_d[None, :],
-        row_ok[:, None],
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
+        _token_rows(Q, sq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :], row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D
     )
     do = _load_rows(
-        DO + b * sdo_b + h * sdo_h + (tok_q + offs_m[:, None]) * sdo_n + offs_d[None, :],
+        _token_rows(DO, sdo, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         row_ok[:, None],
         offs_d,
         HEAD_DIM,
@@ -1384,7 +1276,7 @@ def _attn_bwd_q_kernel(
     lse2 = tl.load(LSE + row_q.to(tl.int64) + offs_m, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
     Di = tl.load(DELTA + row_q.to(tl.int64) + offs_m, mask=row_ok, other=0.0)
-    k_win_base = _window_base(-1, DOFF, Nk, LOW, GROUP)
+    geo = Geometry(Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK)
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
@@ -1392,8 +1284,8 @@ def _attn_bwd_q_kernel(
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
-    K_bh = K + b * sk_b + (h // KV_GROUP) * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + (h // KV_GROUP) * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
+    V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
     _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
@@ -1403,171 +1295,34 @@ def _attn_bwd_q_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi_sum = tl.zeros([BLOCK_M], tl.float32)  # on-chip boundary sums: all δ ≥ U, all δ ≤ L
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
-    n_hi, n_lo, n_valid, n_end = _key_runs(i0, Nk, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    n_in, n_out = _inner_keys(i0, Nq, n_hi, n_lo, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
-    args = (
-        bh,
-        seed,
-        dropout_p,
-        H,
-        QPOS,
-        QPOS - DOFF0,
-        Nq,
-        Nk,
-        DOFF,
-        LOW,
-        HIGH,
-        C,
-        WQ,
-        WK,
-        ZSQ,
-        ZSK,
-        k_win_base,
-        qk_scale,
-        tau,
-    )
-    common = (
-        q,
-        do,
-        lse2,
-        Di,
-        K_bh,
-        V_bh,
-        sk_n,
-        sv_n,
-        offs_m,
-        zq_bh,
-        ZK_b,
-        ZKE_b,
-        bias_h,
-        kpm_b,
-        s0,
-        row_hi,
-        row_lo,
-        b_hi,
-        b_lo,
-        zq_up,
-        zk_up,
-        dzq_rows,
-        dz_down,
-        COPY_MAP,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        0,
-        n_hi,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        SAT_HIGH,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_hi,
-        n_in,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_in,
-        n_out,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        INNER,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_out,
-        n_lo,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_lo,
-        n_valid,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        SAT_LOW,
-        False,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
-    dq, hi_sum, lo_sum = _bwd_q_range(
-        dq,
-        hi_sum,
-        lo_sum,
-        *common,
-        n_valid,
-        n_end,
-        *args,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        GROUP,
-        BAND,
-        True,
-        CAUSAL,
-        HAS_KPM,
-        DROPOUT,
-        PREC,
-    )
+    n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
+    n_in, n_out = _inner_keys(i0, n_hi, n_lo, geo, BLOCK_M, BLOCK_N)
+    queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
+    head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
+    drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
+    # fmt: off
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, 0, n_hi, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=SAT_HIGH, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_hi, n_in, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=BAND, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_in, n_out, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=INNER, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_out, n_lo, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=BAND, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_lo, n_valid, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=SAT_LOW, MASKED=False)
+    dq, hi_sum, lo_sum = _bwd_q_range(dq, hi_sum, lo_sum, queries, do, lse2, Di, keys, geo, head, drop, qk_scale, tau,
+                                      dzq_rows, dz_down, n_valid, n_end, HEAD_DIM, BLOCK_D, BLOCK_N, GROUP,
+                                      HAS_KPM, DROPOUT, PREC, MODE=BAND, MASKED=True)
+    # fmt: on
     tl.store(
-        DQ + b * sdq_b + h * sdq_h + (tok_q + offs_m[:, None]) * sdq_n + offs_d[None, :],
+        _token_rows(DQ, sdq, b, h, tok_q + offs_m[:, None]) + offs_d[None, :],
         (dq * tau).to(DQ.dtype.element_ty),
         mask=_d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
     )
@@ -1617,127 +1372,68 @@ def _bwd_kv_range(
     dv,
     hi_sum,
     lo_sum,
-    k,
+    keys: KeyTile,
     v,
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    sq_n,
-    sdo_n,
-    offs_n,
-    j_hi,
-    ZQ_b,
-    ZQE_b,
-    zk_bh,
-    bias_h,
-    kpm_b,
-    t0,
-    col_hi,
-    col_lo,
-    b_hi,
-    b_lo,
-    zq_up,
-    zk_up,
-    dzk_rows,
-    dz_down,
-    copy_map,
-    lo,
-    hi,
-    bh,
-    seed,
-    dropout_p,
-    H,
-    pos_q,
-    pos_k,
-    Nq,
-    Nk,
-    DOFF,
-    LOW,
-    HIGH,
-    C,
-    WQ,
-    WK,
-    ZSQ,
-    ZSK,
-    q_win_base,
+    queries: QuerySource,
+    geo: Geometry,
+    head: HeadTerms,
+    drop: Dropout,
     qk_scale,
     tau,
+    dzk_rows,
+    dz_down,
+    lo,
+    hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
-    MODE: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     PREC: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    MODE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    """Query tiles [lo, hi) of one key tile, all of one kind (MODE): dK's direct part, dV, and dZ̃^K's entries."""
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n, j_hi, t0 = keys.offs_n, keys.j_hi, keys.t0
+    Nq, Nk, DOFF, LOW, HIGH = geo.Nq, geo.Nk, geo.DOFF, geo.LOW, geo.HIGH
     for tile in range(lo, hi):
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Nq
         qo_ok = _d_mask(row_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-        q = tl.load(Q + offs_m[:, None] * sq_n + offs_d[None, :], mask=qo_ok, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * sdo_n + offs_d[None, :], mask=qo_ok, other=0.0)
-        lse2 = tl.load(LSE + offs_m, mask=row_ok, other=float("inf"))
+        q = tl.load(queries.Q + offs_m[:, None] * queries.sq_n + offs_d[None, :], mask=qo_ok, other=0.0)
+        do = tl.load(queries.DO + offs_m[:, None] * queries.sdo_n + offs_d[None, :], mask=qo_ok, other=0.0)
+        lse2 = tl.load(queries.LSE + offs_m, mask=row_ok, other=float("inf"))
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        Di = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-        s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, q_win_base, C, WQ)
-        row_hi, row_lo = _query_ends(ZQE_b, offs_m, row_ok, zq_up)
-        x, c = _score_tile(
-            q,
-            k,
-            offs_m,
-            offs_n,
-            j_hi,
-            ZQ_b,
-            zk_bh,
-            bias_h,
-            kpm_b,
-            copy_map,
-            s0,
-            t0,
-            row_hi,
-            row_lo,
-            col_hi,
-            col_lo,
-            b_hi,
-            b_lo,
-            Nq,
-            Nk,
-            DOFF,
-            LOW,
-            HIGH,
-            C,
-            WQ,
-            ZSQ,
-            ZSK,
+        Di = tl.load(queries.DELTA + offs_m, mask=row_ok, other=0.0)
+        s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, queries.win_base, geo.C, geo.WQ)
+        row_hi, row_lo = _query_ends(queries.ZQE, offs_m, row_ok, queries.zq_up)
+        query_tile = QueryTile(q, offs_m, queries.ZQ, s0, row_hi, row_lo, queries.zq_up)
+        p, p_kept = _tile_probabilities(
+            query_tile,
+            keys,
+            lse2,
+            geo,
+            head,
+            drop,
             qk_scale,
-            zq_up,
-            zk_up,
             BLOCK_N,
-            MODE,
-            MASKED,
-            CAUSAL,
             HAS_KPM,
+            DROPOUT,
             PREC,
-            KEY_MAJOR,
-            False,
+            MODE=MODE,
+            MASKED=MASKED,
+            KEY_MAJOR=KEY_MAJOR,
         )
-        p, p_kept = _probabilities(
-            x, c, qk_scale, lse2, bh, seed, dropout_p, offs_m, j_hi, H, pos_q, pos_k, DROPOUT, BLOCK_N, KEY_MAJOR
-        )
-        if KEY_MAJOR:  # [BN, BM]: P and dS are the A operands of dV's and dK's products as they stand
+        # dV's product before dS is formed: issued after it, the pass holds more registers
+        if KEY_MAJOR:  # [BN, BM]: P' and dS are the A operands of dV's and dK's products as they stand
             dv += tl.dot(p_kept.to(do.dtype), do, input_precision=PREC)
-            dp = tl.dot(v, tl.trans(do), input_precision=PREC)
         else:
             dv += tl.dot(tl.trans(p_kept).to(do.dtype), do, input_precision=PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p_kept * dp - p * _along_queries(Di, KEY_MAJOR)
+        ds = _score_gradient(p, p_kept, v, do, Di, PREC, KEY_MAJOR)
         dk += tl.dot(_transpose_if(ds, KEY_MAJOR == 0).to(q.dtype), q, input_precision=PREC)
     return dk, dv, hi_sum, lo_sum
 
@@ -1765,26 +1461,14 @@ def _attn_bwd_kv_kernel(
     COPY_MAP,
     CU,
     CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
+    sq,
+    sk,
+    sv,
+    sdo,
     skpm_b,
     sbias_h,
-    sdk_b,
-    sdk_h,
-    sdk_n,
-    sdv_b,
-    sdv_h,
-    sdv_n,
+    sdk,
+    sdv,
     seed,
     dropout_p,
     QPOS,
@@ -1810,7 +1494,6 @@ def _attn_bwd_kv_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     KV_GROUP: tl.constexpr,
-    CAUSAL: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -1836,19 +1519,20 @@ def _attn_bwd_kv_kernel(
     offs_n, j_hi = _key_tile(pid_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < Nk
-    K_bh = K + b * sk_b + hk * sk_h + tok_k * sk_n
-    V_bh = V + b * sv_b + hk * sv_h + tok_k * sv_n
+    K_bh = _token_rows(K, sk, b, hk, tok_k)
+    V_bh = _token_rows(V, sv, b, hk, tok_k)
     kv_ok = _d_mask(col_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    k = tl.load(K_bh + offs_n[:, None] * sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V_bh + offs_n[:, None] * sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = tl.load(K_bh + offs_n[:, None] * sk[2] + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V_bh + offs_n[:, None] * sv[2] + offs_d[None, :], mask=kv_ok, other=0.0)
+    geo = Geometry(Nq, Nk, DOFF, LOW, HIGH, C, WQ, WK, ZSQ, ZSK)
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     kpm_b = KPM + b * skpm_b
     _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
-    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, Nq, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N, CAUSAL, REUSE)
-    m_in, m_out = _inner_queries(j0, Nq, Nk, m_lo, m_hi, DOFF, LOW, HIGH, BLOCK_M, BLOCK_N)
+    m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, geo, BLOCK_M, BLOCK_N, REUSE)
+    m_in, m_out = _inner_queries(j0, m_lo, m_hi, geo, BLOCK_M, BLOCK_N)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -1863,201 +1547,49 @@ def _attn_bwd_kv_kernel(
         bias_h = BIAS + h * sbias_h
         col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok, zk_up)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
-        Q_bh = Q + b * sq_b + h * sq_h + tok_q * sq_n
-        DO_bh = DO + b * sdo_b + h * sdo_h + tok_q * sdo_n
+        Q_bh = _token_rows(Q, sq, b, h, tok_q)
+        DO_bh = _token_rows(DO, sdo, b, h, tok_q)
         LSE_bh = LSE + row_q.to(tl.int64)
         DELTA_bh = DELTA + row_q.to(tl.int64)
         hi_sum = tl.zeros([BLOCK_N], tl.float32)
         lo_sum = tl.zeros([BLOCK_N], tl.float32)
-        args = (
-            bh,
-            seed,
-            dropout_p,
-            H,
-            QPOS,
-            QPOS - DOFF0,
-            Nq,
-            Nk,
-            DOFF,
-            LOW,
-            HIGH,
-            C,
-            WQ,
-            WK,
-            ZSQ,
-            ZSK,
-            q_win_base,
-            qk_scale,
-            tau,
-        )
-        common = (
-            k,
-            v,
-            Q_bh,
-            DO_bh,
-            LSE_bh,
-            DELTA_bh,
-            sq_n,
-            sdo_n,
-            offs_n,
-            j_hi,
-            ZQ_b,
-            ZQE_b,
-            zk_bh,
-            bias_h,
-            kpm_b,
-            t0,
-            col_hi,
-            col_lo,
-            b_hi,
-            b_lo,
-            zq_up,
-            zk_up,
-            dzk_rows,
-            dz_down,
-            COPY_MAP,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_start,
-            m_valid,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            BAND,
-            True,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_valid,
-            m_lo,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            SAT_LOW,
-            False,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_lo,
-            m_in,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            BAND,
-            False,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_in,
-            m_out,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            INNER,
-            False,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_out,
-            m_hi,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            BAND,
-            False,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
-        dk, dv, hi_sum, lo_sum = _bwd_kv_range(
-            dk,
-            dv,
-            hi_sum,
-            lo_sum,
-            *common,
-            m_hi,
-            m_end,
-            *args,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M,
-            BLOCK_N,
-            GROUP,
-            SAT_HIGH,
-            False,
-            CAUSAL,
-            HAS_KPM,
-            DROPOUT,
-            PREC,
-            KEY_MAJOR,
-        )
+        keys = KeyTile(k, offs_n, j_hi, zk_bh, t0, col_hi, col_lo, zk_up)
+        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base, zq_up)
+        head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
+        drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
+        # fmt: off
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_start, m_valid, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=BAND, MASKED=True)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_valid, m_lo, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=SAT_LOW, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_lo, m_in, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=BAND, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_in, m_out, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=INNER, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_out, m_hi, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=BAND, MASKED=False)
+        dk, dv, hi_sum, lo_sum = _bwd_kv_range(dk, dv, hi_sum, lo_sum, keys, v, queries, geo, head, drop, qk_scale,
+                                               tau, dzk_rows, dz_down, m_hi, m_end, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                               BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
+                                               MODE=SAT_HIGH, MASKED=False)
+        # fmt: on
     tl.store(
-        DK + b * sdk_b + hk * sdk_h + (tok_k + offs_n[:, None]) * sdk_n + offs_d[None, :],
+        _token_rows(DK, sdk, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=kv_ok,
     )
     tl.store(
-        DV + b * sdv_b + hk * sdv_h + (tok_k + offs_n[:, None]) * sdv_n + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=kv_ok,
+        _token_rows(DV, sdv, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok
     )
 
 
@@ -2073,9 +1605,7 @@ def _reduce_tokens_kernel(
     DX,
     CU,
     CU_K,
-    sdx_b,
-    sdx_h,
-    sdx_n,
+    sdx,
     st_h,
     H,
     Nq_all,
@@ -2114,7 +1644,7 @@ def _reduce_tokens_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     t_ok = offs_t < Ntok
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    x_rows = b * sdx_b + hx * sdx_h + (tok0.to(tl.int64) + offs_t[:, None]) * sdx_n + offs_d[None, :]
+    x_rows = b * sdx[0] + hx * sdx[1] + (tok0.to(tl.int64) + offs_t[:, None]) * sdx[2] + offs_d[None, :]
     x_ok = _d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
     acc = tl.load(DX + x_rows, mask=x_ok, other=0.0).to(tl.float32)
     _down, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)  # named: `_` is the loop's discarded ints
@@ -2151,9 +1681,7 @@ def _reduce_table_kernel(
     DB_PART,
     CU,
     CU_K,
-    sx_b,
-    sx_h,
-    sx_n,
+    sx,
     H,
     Nq_all,
     Nk_all,
@@ -2206,7 +1734,7 @@ def _reduce_table_kernel(
         tok0 = tok_q if SIGN == 1 else tok_k
         win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
         dz_bh = DZ + row0.to(tl.int64) * WDZ
-        X_bh = X + b * sx_b + (h // X_GROUP) * sx_h + tok0.to(tl.int64) * sx_n
+        X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
         for g in range(0, tl.cdiv(Ntok, GROUP)):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
             if ALIGNED:  # the host checked that every window starts on a multiple of 16: say so, for vector loads
@@ -2223,7 +1751,7 @@ def _reduce_table_kernel(
                     )
                     if HAS_TABLE:
                         x = tl.load(
-                            X_bh + offs_t[:, None] * sx_n + offs_d[None, :],
+                            X_bh + offs_t[:, None] * sx[2] + offs_d[None, :],
                             mask=_d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
                             other=0.0,
                         )
@@ -2347,7 +1875,7 @@ def _project(x, table, bias, bounds, geo, cfg, query_side):
         ends,
         _or(bounds, z),
         *geo.cu_seqlens_or(z),
-        *_strides(x),
+        _strides(x),
         geo.table_head_stride(table),
         geo.table_head_stride(bias),
         *_sizes(geo),
@@ -2447,10 +1975,10 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         _or(kpm, dummy),
         dummy,
         *geo.cu_seqlens_or(dummy),
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(o),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(o),
         kpm.stride(0) if kpm is not None else 0,
         geo.table_head_stride(bias_vec),
         *_scalar_args(geo),
@@ -2465,7 +1993,6 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         BLOCK_N=c.block_n,
         GROUP=geo.group,
         KV_GROUP=geo.kv_group,
-        CAUSAL=False,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_mode,
         VARLEN=geo.varlen,
@@ -2496,7 +2023,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             table,
             dx,
             *cu,
-            *_strides(dx),
+            _strides(dx),
             geo.table_head_stride(table),
             *_sizes(geo),
             red.doff,
@@ -2531,7 +2058,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         dt_part,
         db_part,
         *cu,
-        *_strides(x),
+        _strides(x),
         *_sizes(geo),
         red.doff,
         red.low,
@@ -2580,8 +2107,8 @@ def _preprocess(o, do, v, delta, cu, bounds, geo, c):
         cu,
         v,
         out,
-        *_strides(o),
-        *_strides(do),
+        _strides(o),
+        _strides(do),
         geo.heads,
         geo.nq,
         geo.total,
@@ -2652,7 +2179,6 @@ def _backward(do, saved, geo, cfg):
         BLOCK_D=geo.block_d,
         GROUP=geo.group,
         KV_GROUP=geo.kv_group,
-        CAUSAL=False,
         HAS_KPM=kpm is not None,
         DROPOUT=geo.dropout_mode,
         VARLEN=geo.varlen,
@@ -2677,13 +2203,13 @@ def _backward(do, saved, geo, cfg):
         dz_bounds,
         copy_map,
         *cu,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dq),
+        _strides(dq),
         *_scalar_args(geo),
         dz.units(True),
         geo.qk_scale,
@@ -2719,14 +2245,14 @@ def _backward(do, saved, geo, cfg):
         dz_bounds,
         copy_map,
         *cu,
-        *_strides(q),
-        *_strides(k),
-        *_strides(v),
-        *_strides(do),
+        _strides(q),
+        _strides(k),
+        _strides(v),
+        _strides(do),
         kpm_stride,
         geo.table_head_stride(bias_vec),
-        *_strides(dk),
-        *_strides(dv),
+        _strides(dk),
+        _strides(dv),
         *_scalar_args(geo),
         key_units,
         geo.qk_scale,

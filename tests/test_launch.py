@@ -48,6 +48,22 @@ def test_fingerprints_no_coarser_than_triton():
     assert _fingerprint(buffer) == _fingerprint(buffer[8:])  # 16 bytes in
 
 
+def test_tuple_fingerprints_no_coarser_than_triton():
+    """A tuple argument (a tensor's strides) is specialised element by element, and do_not_specialize does not
+    reach into it: a tuple of integers is keyed by their values."""
+    buffer = torch.zeros(64, dtype=torch.float16)
+    tuples = [(0, 1, 16), (0, 1, 17), (0, 16, 1), (1, 16, 32), (16, 16, 16), (2**31, 1, 1), (17,), (buffer, 1)]
+    tuples += [(buffer[1:], 1), (None, 0.5), (True, 16)]
+    for a in tuples:
+        for b in tuples:
+            if _fingerprint(a) == _fingerprint(b):
+                assert triton_specialisation(a) == triton_specialisation(b), (a, b)
+        # what Triton gives a tuple it is told not to specialise: the same as it gives it otherwise
+        assert native_specialize_impl(CUDABackend, a, False, False, True) == triton_specialisation(a), a
+    assert _fingerprint((0, 1, 16)) != _fingerprint(16)
+    assert _fingerprint((0, np.int64(3))) is launch._UNKNOWN
+
+
 def test_unspecialised_integers_keyed_by_width_as_triton_tells_them_apart():
     values = [0, 1, 16, 17, -5, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**40, 2**63 - 1, 2**63]
     for a in values:
@@ -74,6 +90,26 @@ def test_generated_kernels_do_not_specialise_on_the_dropout_seed():
         kernel = launcher.kernel  # a JITFunction, or under the interpreter what keeps triton.jit's options
         unspecialised = kernel.kwargs["do_not_specialize"] if hasattr(kernel, "kwargs") else kernel.do_not_specialize
         assert "seed" in unspecialised
+
+
+@pytest.mark.parametrize("spec", ["t5", "txl"])
+def test_generated_kernels_name_only_their_own_scalar_parameters_as_unspecialised(spec):
+    """do_not_specialize takes effect only on a parameter of that name, and never inside a tuple argument (Triton
+    specialises a tuple's elements regardless): a name bundled away or renamed would be ignored in silence, and
+    every new window size, stride or seed would compile the kernels again."""
+    import relgen
+
+    module = relgen.compile_mechanism(Path(__file__).resolve().parents[1] / "specs" / f"{spec}.yaml").module
+    checked = 0
+    for launcher in vars(module).values():
+        if not isinstance(launcher, Launcher):
+            continue
+        kernel = launcher.kernel
+        unspecialised = (kernel.kwargs if hasattr(kernel, "kwargs") else vars(kernel)).get("do_not_specialize") or []
+        parameters = inspect.signature(launcher.fn).parameters
+        assert set(unspecialised) <= set(parameters), (launcher.fn.__name__, set(unspecialised) - set(parameters))
+        checked += bool(unspecialised)
+    assert checked == 6  # forward, query pass, key pass and their any-length twins
 
 
 class _Compiled:
@@ -161,6 +197,16 @@ def test_unspecialised_integers_reuse_the_compiled_kernel_until_their_width_chan
         launcher[(1,)](x, n, True, BLOCK=32)
     assert paths(kernel) == ["triton", "fast", "fast", "fast", "triton", "fast"]
     assert kernel.log[2][2][1] == 32  # the fast path passes the value itself
+
+
+def test_tuple_arguments_take_the_compiled_kernel_until_an_element_changes(on_device):
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    x = torch.zeros(32, dtype=torch.float16)
+    for strides in ((0, 64, 1), (0, 64, 1), (0, 65, 1), (0, 65, 1), (0, 65, np.int64(1))):
+        launcher[(1,)](x, strides, True)
+    assert paths(kernel) == ["triton", "fast", "triton", "fast", "triton"]
+    assert kernel.log[1][2][1] == (0, 64, 1)  # the tuple itself, for the compiled kernel's launcher to unpack
 
 
 def test_launch_kinds_beyond_capacity_evict_the_least_recent(on_device, monkeypatch):

@@ -47,12 +47,16 @@ def _width(value: int) -> str:
 
 def _fingerprint(arg: Any) -> Any:
     """What Triton specialises a non-integer kernel argument on (or finer), or _UNKNOWN. Integers are keyed by
-    their value (see Launcher.launch)."""
+    their value (see Launcher.launch), in a tuple too (a tensor's (batch, head, token) strides): Triton specialises
+    a tuple's elements one by one, and never leaves them to run time (do_not_specialize names whole parameters)."""
     kind = type(arg)
     if kind is torch.Tensor or isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if kind is float or kind is bool or arg is None:
         return kind
+    if kind is tuple:
+        parts = tuple(a if type(a) is int else _fingerprint(a) for a in arg)
+        return _UNKNOWN if any(part is _UNKNOWN for part in parts) else (tuple, parts)
     if kind.__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor: its type names dtype and box
         return (arg.base.dtype, tuple(arg.block_shape), arg.padding)
     return _UNKNOWN
