@@ -285,6 +285,34 @@ def test_a_ring_of_one_keeps_its_projections_and_merges_nothing(monkeypatch, rec
 
 
 @INTERPRETED
+@pytest.mark.parametrize("terms", [["query"], ["query", "key"]])
+def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, terms):
+    """Clipped at ±3, every query's window is the whole expansion (W = C = 7): a query chunk's Z̃^Q is the same
+    for each key chunk, and the backward forms it once per query chunk (two of zigzag's four pairs), where the spec
+    stores no Z̃^K; with one (which is each key chunk's), once per pair. Both close to the unsharded call."""
+    import relgen
+    import relgen.distributed as rd
+    from relgen.testing import assert_close
+
+    spec = relgen.load_spec({"name": f"clip3_{len(terms)}", "terms": terms, "map": {"kind": "clipped", "min": -3,
+                                                                                    "max": 3}})  # fmt: skip
+    fn = relgen.compile_mechanism(spec)
+    inputs, leaves = _leaves(spec, 32, 32, 32)
+    do = torch.randn(1, 2, 32, D, generator=torch.Generator().manual_seed(4))
+    expected = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+    expected_grads = torch.autograd.grad(expected, leaves, do)
+    got = rd.context_parallel(fn, sharding="zigzag")(inputs.q, inputs.k, inputs.v, **inputs.tables)
+    assert_close(got, expected, torch.float32, "out")
+    formed = []
+    real = fn.module._projections
+    monkeypatch.setattr(fn.module, "_projections", lambda *a, **kw: formed.append(1) or real(*a, **kw))
+    names = ["dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)]
+    for name, a, e in zip(names, torch.autograd.grad(got, leaves, do), expected_grads, strict=True):
+        assert_close(a, e, torch.float32, name)
+    assert len(formed) == (2 if terms == ["query"] else 4)
+
+
+@INTERPRETED
 def test_a_ring_of_one_in_zigzag_chunks_with_offsets_and_unequal_lengths():
     """Two chunks of queries (16 from position 16) against two chunks of keys (32 from 0): four chunk pairs, each
     with its own offsets and identity rows, merged; the result is the unsharded call's."""

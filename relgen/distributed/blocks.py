@@ -75,15 +75,38 @@ class Blocks:
         o, lse2, projections, expanded = self.module._forward_pass(self._call(q, k, v, tables, kpm, qs, ks), keep)
         return o, lse2, (projections, expanded) if keep else None
 
-    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2, kept=None):
+    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2, kept=None, shared=None):
         """(dq, dk, dv, (daq, dak, dbias)) of the pair, given the GATHERED call's O and base-2 lse of the queries
         `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
         key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed,
-        unless `kept` holds this pair's from its forward (Blocks.forward)."""
+        unless `kept` holds this pair's from its forward (Blocks.forward), or `shared` (a dict the backward's pairs
+        share) holds those of an earlier pair of the same query chunk that are this pair's too (`_shared_window`)."""
         call = self._call(q, k, v, tables, kpm, qs, ks)
+        if kept is None and shared is not None and self._shared_window(call):
+            kept = shared.get(qs.chunk)
+            if kept is None:
+                geo = call.geo
+                expanded = geo.expand(call.aq, call.ak, call.bias)
+                kept = (self.module._projections(call.q, call.k, expanded, geo, geo.config), expanded)
+                if kept[0][1] is None:  # no Z̃^K: the projections are the query chunk's alone
+                    shared[qs.chunk] = kept
         projections, expanded = kept if kept is not None else (None, None)
         dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, projections, expanded)
         return dq, dk, dv, tuple(dtables)
+
+    def _shared_window(self, call: Call) -> bool:
+        """Whether the pair's Z̃^Q is its query chunk's whatever the key chunk: a map whose expansion does not depend
+        on the pair's length (not an identity map), with each query's window the whole expansion (W = C: every
+        window starts at column 0 whatever the offsets), stored by offset. Its bounds (fp16 storage) are then the
+        same too where the spec stores no Z̃^K: they read q and Ã^Q only."""
+        geo = call.geo
+        plan = geo.plan
+        return (
+            not plan.length_dependent
+            and geo.wq == geo.c
+            and plan.projections == "by_offset"
+            and plan.relations == "projected"
+        )
 
     def add_table_grads(self, totals: list, dtables, tables: Tables, qs: Segment, ks: Segment) -> list:
         """The gathered tables' gradient sums with a pair's added (in the pairs' order): while one pair's gradient

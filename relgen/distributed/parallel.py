@@ -42,7 +42,8 @@ class ContextParallel:
     `recompute_projections`: a call that is a single pair of chunks (a ring of one, contiguous) keeps its
     forward's projections for the backward, as the plain call does, unless it is True; every other call recomputes
     them in its backward (a pair's windows of Z̃ depend on its offsets, and keeping every pair's would cost a rank
-    the memory of the unsharded call). Packed sequences (`cu_seqlens`) are not supported.
+    the memory of the unsharded call), once per query chunk where its pairs share them (a Z̃^Q alone whose
+    windows are the whole expansion). Packed sequences (`cu_seqlens`) are not supported.
 
     Dropout: the mask is the unsharded call's (`relgen.testing.dropout_keep_mask` over the gathered sequence, at
     its offsets), whatever the group size and the sharding: the kernels key it by absolute positions, and every

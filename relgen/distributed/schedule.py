@@ -128,6 +128,7 @@ def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Ta
     travelling = _travelling(k, v, kpm)
     gradients: Transfer | None = None
     dk = dv = None
+    shared: dict = {}  # a query chunk's projections where all its pairs share them (Blocks.backward)
     for step in range(ring.size):
         transfer = ring.pass_on(travelling) if step + 1 < ring.size else None
         k_cur, v_cur, kpm_cur = _arrived(travelling)
@@ -139,7 +140,7 @@ def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Ta
                     continue
                 dq_p, dk_p, dv_p, dt_p = blocks.backward(
                     do_s, qs.of(q, SEQ), ks.of(k_cur, SEQ), ks.of(v_cur, SEQ), tables,
-                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s, kept,
+                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s, kept, shared,
                 )  # fmt: skip
                 dq_sums[n] = _add(dq_sums[n], dq_p)
                 dtables = blocks.add_table_grads(dtables, dt_p, tables, qs, ks)
