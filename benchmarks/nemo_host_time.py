@@ -6,7 +6,7 @@ there, so that the GPU idles while the host issues the next layer. NeMo's own la
 compute their attention.
 
 At Parakeet's 30 s segments (375 frames after 8× subsampling, batch 8) an encoder forward is short enough on the
-H200 that its host path counts (benchmarks/nemo_encoder.py). The layers here are narrow (d_model 64, 4 heads:
+H200 that its host path counts (benchmarks/nemo_encoder.py). The layers here are narrow (d_model 32, 2 heads:
 NeMo's projections on the CPU would otherwise be most of the time); the torch ops of the glue run on the CPU, one
 thread.
 
@@ -66,8 +66,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=17)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--frames", type=int, default=375)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--padding", action="store_true", help="segments of unequal length (a padding mask)")
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()

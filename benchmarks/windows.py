@@ -2,6 +2,7 @@
 window) as the ceiling, as a Markdown table (or JSON) headed by the date, the commit and the GPU.
 
     python benchmarks/windows.py [--specs shaw,txl] [--seq-lens 8192,32768] [--left 256] [--right 0] [--json]
+                                 [--breakdown]
 
 fp16, B = 1, H = 12, d = 64 by default. Times are medians over --reps calls measured with CUDA events (after
 --warmup calls): the forward alone (under no_grad) and the forward + backward for a fixed dO. A run that does not
@@ -9,7 +10,10 @@ fit in memory is reported as "OOM" (the spec without a window at 32K on an ident
 The windowed forward should be at least 10× faster than the unwindowed one at 32K for a window of 256: its key
 tiles per query tile shrink from N / BN to about (left + right) / BN + 2.
 
-A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file.
+A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --breakdown adds, per row, where a
+forward's time goes: each kernel's CUDA time per forward (torch.profiler), their sum, and the host's time per
+forward (calls issued back to back without a sync, as relgen.bench's host_ms): a forward whose event time exceeds
+its kernels' sum by about its host time is host-bound.
 """
 
 from __future__ import annotations
@@ -46,12 +50,28 @@ def event_ms(run: Callable[[], object], warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def timings(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], warmup: int, reps: int) -> dict:
-    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory."""
-    result: dict[str, float | None] = {"fwd_ms": None, "fwd_bwd_ms": None}
+def breakdown(run: Callable[[], object]) -> dict:
+    """Each kernel's CUDA time per call (ms), their sum, and the host's time per call (µs) of `run`."""
+    from profile_kernels import kernel_times
+
+    from relgen.bench.worker import host_ms, queued_calls
+
+    kernels = kernel_times(run, iters=10)
+    gpu_ms = sum(kernels.values())
+    host_us = host_ms(run, torch.device("cuda"), queued_calls(gpu_ms)) * 1e3
+    return {"kernels_ms": {name: round(ms, 4) for name, ms in kernels.items()}, "gpu_ms": gpu_ms, "host_us": host_us}
+
+
+def timings(
+    run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], warmup: int, reps: int, split: bool = False
+) -> dict:
+    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory; with `split`, the forward's breakdown."""
+    result: dict = {"fwd_ms": None, "fwd_bwd_ms": None}
     try:
         with torch.no_grad():
             result["fwd_ms"] = event_ms(run, warmup, reps)
+            if split:
+                result["fwd_breakdown"] = breakdown(run)
         do = torch.randn_like(run())
         result["fwd_bwd_ms"] = event_ms(lambda: torch.autograd.grad(run(), leaves, do), warmup, reps)
     except torch.cuda.OutOfMemoryError:
@@ -77,7 +97,7 @@ def spec_rows(name: str, n: int, args: argparse.Namespace) -> list[dict]:
     for label, spec in (("no window", plain), (f"window [{-args.right}, {args.left}]", local)):
         fn = relgen.compile_mechanism(spec)
         t = tables(spec, n, h, d)
-        measured = timings(lambda fn=fn, t=t: fn(q, k, v, **t), [q, k, v], args.warmup, args.reps)
+        measured = timings(lambda fn=fn, t=t: fn(q, k, v, **t), [q, k, v], args.warmup, args.reps, args.breakdown)
         rows.append({"spec": plain.name, "n": n, "call": label, **measured})
     return rows
 
@@ -110,6 +130,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    parser.add_argument("--breakdown", action="store_true", help="add each forward's kernels and host time")
     args = parser.parse_args()
 
     rows: list[dict] = []
@@ -139,6 +160,12 @@ def main() -> None:
         fwd, both = row["fwd_ms"], row["fwd_bwd_ms"]
         print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {shown(both)} | "
               f"{speedup(first['fwd_ms'], fwd)} | {speedup(first['fwd_bwd_ms'], both)} |")  # fmt: skip
+    for row in rows:
+        split = row.get("fwd_breakdown")
+        if split:
+            kernels = ", ".join(f"{name} {ms:.3f}" for name, ms in split["kernels_ms"].items())
+            print(f"\n{row['spec']} {row['n']} {row['call']}: forward kernels {split['gpu_ms']:.3f} ms in all "
+                  f"({kernels}); host {split['host_us']:.0f} µs per forward")  # fmt: skip
 
 
 if __name__ == "__main__":

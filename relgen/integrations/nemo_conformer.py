@@ -85,6 +85,25 @@ class _State:
     attention_dtype: torch.dtype | None  # None: NeMo's own (its autocast dtype), else the activations' dtype
     recompute_projections: bool
     windowed: dict[Window, Mechanism] = field(default_factory=dict)  # the spec with each window a call needed
+    # [(u, v, their versions, dtype and device, (u, v − u) in that dtype)]: kept across calls without autograd
+    biases: list = field(default_factory=lambda: [None])
+
+    def biases_in(self, module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """u and v − u in `dtype` (each rounded to it before the difference, as the mechanism's call always did).
+        Without autograd they are kept until u or v changes (their version counters advance with every in-place
+        update: an optimizer step) or another dtype is asked for: three launches fewer per layer."""
+        u, v = module.pos_bias_u, module.pos_bias_v
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or u.is_inference() or v.is_inference():
+            u_d = u.to(dtype)
+            return u_d, v.to(dtype) - u_d
+        meta = (u._version, v._version, dtype, u.device)
+        kept = self.biases[0]  # one read: another thread may replace it
+        if kept is not None and kept[0] is u and kept[1] is v and kept[2] == meta:
+            return kept[3]
+        u_d = u.to(dtype)
+        folded = (u_d, v.to(dtype) - u_d)
+        self.biases[0] = (u, v, meta, folded)
+        return folded
 
     def mechanism_for(self, window: Window | None) -> Mechanism:
         if window is None:
@@ -179,8 +198,8 @@ def _attend(
     [H, 2·T2 − 1, d_k], bias (v − u)·p [H, 2·T2 − 1]; keys outside `window` masked."""
     heads, d_k = module.h, module.d_k
     table = p.view(p.shape[1], heads, d_k).flip(0).transpose(0, 1).to(dtype)
-    u, v_bias = module.pos_bias_u.to(dtype), module.pos_bias_v.to(dtype)
-    bias = torch.einsum("hd,hrd->hr", v_bias - u, table)
+    u, v_minus_u = state.biases_in(module, dtype)
+    bias = torch.einsum("hd,hrd->hr", v_minus_u, table)
     return state.mechanism_for(window)(
         (q.to(dtype) + u[None, :, None, :]),
         k.to(dtype),
