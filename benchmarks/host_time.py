@@ -9,7 +9,7 @@ the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch o
 (a GPU would queue them): at long lengths a figure that grows with N beyond allocation is that work.
 
     python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
-                                   [--calls 400] [--forward-only] [--profile]
+                                   [--calls 400] [--forward-only] [--ring] [--profile]
 """
 
 from __future__ import annotations
@@ -69,9 +69,16 @@ def load(name: str, window: tuple[int, int] | None) -> relgen.MechanismSpec:
     return relgen.load_spec(data)
 
 
-def calls_of(spec: relgen.MechanismSpec, n: int, heads: int) -> tuple[Callable[[], object], Callable[[], object]]:
-    """(forward, forward + backward) of one call at B = 1, `heads` heads, N = n, d = 64, fp16, on the CPU."""
+def calls_of(
+    spec: relgen.MechanismSpec, n: int, heads: int, ring: bool = False
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward + backward) of one call at B = 1, `heads` heads, N = n, d = 64, fp16, on the CPU; `ring`:
+    through relgen.distributed's ring of one (no process group), contiguous."""
     fn = relgen.compile_mechanism(spec)
+    if ring:
+        import relgen.distributed as rd
+
+        fn = rd.context_parallel(fn)
     inputs = make_inputs(spec, b=1, h=heads, nq=n, d=64, dtype=torch.float16, device="cpu")
     leaves = list(inputs.leaves.values())
 
@@ -105,15 +112,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--ring", action="store_true", help="each call through relgen.distributed's ring of one")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
     window = tuple(int(x) for x in args.window.split(",")) if args.window else None
     with stubbed_launches():
         for n in (int(x) for x in args.seq_lens.split(",")):
             for name in args.specs.split(","):
                 spec = load(name, window)
-                forward, both = calls_of(spec, n, args.heads)
-                line = f"{spec.name:16s} N={n:<6d} H={args.heads:<3d} forward {best_us(forward, args.calls):8.1f} µs"
+                forward, both = calls_of(spec, n, args.heads, args.ring)
+                label = spec.name + (" ring" if args.ring else "")
+                line = f"{label:16s} N={n:<6d} H={args.heads:<3d} forward {best_us(forward, args.calls):8.1f} µs"
                 if not args.forward_only:
                     line += f"   forward + backward {best_us(both, args.calls):8.1f} µs"
                 print(line + "  (launches stubbed, best of 5)", flush=True)
