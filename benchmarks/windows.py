@@ -58,7 +58,7 @@ def breakdown(run: Callable[[], object]) -> dict:
 
     kernels = kernel_times(run, iters=10)
     gpu_ms = sum(kernels.values())
-    host_us = host_ms(run, torch.device("cuda"), queued_calls(gpu_ms)) * 1e3
+    host_us = host_ms(run, torch.device("cuda"), queued_calls(max(gpu_ms, 1e-3))) * 1e3
     return {"kernels_ms": {name: round(ms, 4) for name, ms in kernels.items()}, "gpu_ms": gpu_ms, "host_us": host_us}
 
 
