@@ -84,9 +84,9 @@ def single_pair(ring: Ring, layout: Layout) -> bool:
 
 def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm, keep: bool = False):
     """(O in q's dtype, base-2 lse fp32 [B, H, nq], kept) of the local queries over the gathered keys. kept: with
-    `keep` and a single pair, (projections, expanded tables) of its forward for the backward (what the plain call
-    keeps: the same memory), else None. A query chunk's first pair gives its running (O, lse) as it comes; each
-    later pair merges into them (`merge`)."""
+    `keep` and a single pair, its forward's (checked call, projections, expanded tables) for the backward (what the
+    plain call keeps: the same memory), else None. A query chunk's first pair gives its running (O, lse) as it
+    comes; each later pair merges into them (`merge`)."""
     b, h = q.shape[:2]
     queries = layout.queries(ring)
     keep = keep and single_pair(ring, layout)
