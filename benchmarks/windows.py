@@ -13,7 +13,8 @@ tiles per query tile shrink from N / BN to about (left + right) / BN + 2.
 A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --breakdown adds, per row, where a
 forward's time goes: each kernel's CUDA time per forward (torch.profiler), their sum, and the host's time per
 forward (calls issued back to back without a sync, as relgen.bench's host_ms): a forward whose event time exceeds
-its kernels' sum by about its host time is host-bound.
+its kernels' sum by about its host time is host-bound; a cProfile of the host path follows (per call, the
+functions with the most own time).
 """
 
 from __future__ import annotations
@@ -51,15 +52,21 @@ def event_ms(run: Callable[[], object], warmup: int, reps: int) -> float:
 
 
 def breakdown(run: Callable[[], object]) -> dict:
-    """Each kernel's CUDA time per call (ms), their sum, and the host's time per call (µs) of `run`."""
-    from profile_kernels import kernel_times
+    """Each kernel's CUDA time per call (ms), their sum, the host's time per call (µs) of `run`, and a cProfile of
+    its host path (the 15 functions with the most own time per call)."""
+    from profile_kernels import kernel_times, profile_calls
 
     from relgen.bench.worker import host_ms, queued_calls
 
     kernels = kernel_times(run, iters=10)
     gpu_ms = sum(kernels.values())
-    host_us = host_ms(run, torch.device("cuda"), queued_calls(max(gpu_ms, 1e-3))) * 1e3
-    return {"kernels_ms": {name: round(ms, 4) for name, ms in kernels.items()}, "gpu_ms": gpu_ms, "host_us": host_us}
+    calls = queued_calls(max(gpu_ms, 1e-3))
+    return {
+        "kernels_ms": {name: round(ms, 4) for name, ms in kernels.items()},
+        "gpu_ms": gpu_ms,
+        "host_us": host_ms(run, torch.device("cuda"), calls) * 1e3,
+        "host_profile": profile_calls(run, calls=4 * calls, rows=15, sync_every=calls),
+    }
 
 
 def timings(
@@ -166,6 +173,7 @@ def main() -> None:
             kernels = ", ".join(f"{name} {ms:.3f}" for name, ms in split["kernels_ms"].items())
             print(f"\n{row['spec']} {row['n']} {row['call']}: forward kernels {split['gpu_ms']:.3f} ms in all "
                   f"({kernels}); host {split['host_us']:.0f} µs per forward")  # fmt: skip
+            print("\n".join(f"    {line}" for line in split["host_profile"]))
 
 
 if __name__ == "__main__":
