@@ -2,7 +2,7 @@
 window) as the ceiling, as a Markdown table (or JSON) headed by the date, the commit and the GPU.
 
     python benchmarks/windows.py [--specs shaw,txl] [--seq-lens 8192,32768] [--left 256] [--right 0] [--json]
-                                 [--breakdown]
+                                 [--breakdown] [--forward-only]
 
 fp16, B = 1, H = 12, d = 64 by default. Times are medians over --reps calls measured with CUDA events (after
 --warmup calls): the forward alone (under no_grad) and the forward + backward for a fixed dO. A run that does not
@@ -70,15 +70,23 @@ def breakdown(run: Callable[[], object]) -> dict:
 
 
 def timings(
-    run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], warmup: int, reps: int, split: bool = False
+    run: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    warmup: int,
+    reps: int,
+    split: bool = False,
+    forward_only: bool = False,
 ) -> dict:
-    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory; with `split`, the forward's breakdown."""
+    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory or was not asked for; with `split`, the
+    forward's breakdown."""
     result: dict = {"fwd_ms": None, "fwd_bwd_ms": None}
     try:
         with torch.no_grad():
             result["fwd_ms"] = event_ms(run, warmup, reps)
             if split:
                 result["fwd_breakdown"] = breakdown(run)
+        if forward_only:
+            return result
         do = torch.randn_like(run())
         result["fwd_bwd_ms"] = event_ms(lambda: torch.autograd.grad(run(), leaves, do), warmup, reps)
     except torch.cuda.OutOfMemoryError:
@@ -104,7 +112,8 @@ def spec_rows(name: str, n: int, args: argparse.Namespace) -> list[dict]:
     for label, spec in (("no window", plain), (f"window [{-args.right}, {args.left}]", local)):
         fn = relgen.compile_mechanism(spec)
         t = tables(spec, n, h, d)
-        measured = timings(lambda fn=fn, t=t: fn(q, k, v, **t), [q, k, v], args.warmup, args.reps, args.breakdown)
+        call = lambda fn=fn, t=t: fn(q, k, v, **t)  # noqa: E731
+        measured = timings(call, [q, k, v], args.warmup, args.reps, args.breakdown, args.forward_only)
         rows.append({"spec": plain.name, "n": n, "call": label, **measured})
     return rows
 
@@ -113,7 +122,7 @@ def sdpa_row(n: int, args: argparse.Namespace) -> dict:
     b, h, d = args.batch, args.heads, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    measured = timings(lambda: sdpa(q, k, v), [q, k, v], args.warmup, args.reps)
+    measured = timings(lambda: sdpa(q, k, v), [q, k, v], args.warmup, args.reps, forward_only=args.forward_only)
     return {"spec": "SDPA (no relative terms)", "n": n, "call": "no window", **measured}
 
 
@@ -138,6 +147,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     parser.add_argument("--breakdown", action="store_true", help="add each forward's kernels and host time")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward alone (no backward kernels)")
     args = parser.parse_args()
 
     rows: list[dict] = []
@@ -165,7 +175,8 @@ def main() -> None:
         key = (row["spec"], row["n"])
         first = base.setdefault(key, row)  # each spec's first row is its call without a window
         fwd, both = row["fwd_ms"], row["fwd_bwd_ms"]
-        print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {shown(both)} | "
+        both_text = "–" if args.forward_only else shown(both)
+        print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {both_text} | "
               f"{speedup(first['fwd_ms'], fwd)} | {speedup(first['fwd_bwd_ms'], both)} |")  # fmt: skip
     for row in rows:
         split = row.get("fwd_breakdown")
