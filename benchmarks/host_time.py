@@ -1,37 +1,56 @@
-"""relgen's own host time per call, without a GPU: every Triton launch of the generated module is replaced by a
-no-op, so what remains is argument checking, geometry, tile selection, buffer allocation and autograd glue.
+"""relgen's own host time per call, without a GPU: every launch of relgen's kernels (the generated module's and
+relgen.runtime.scales') keeps its Python side, `Launcher`'s fingerprint and constexpr tail as on a repeat launch on
+the GPU, and launches nothing, so what remains is argument checking, geometry, tile selection, TMA descriptors,
+buffer allocation, the torch ops of the glue and autograd's.
 
 At N ≤ 1K a call is host-bound on the H200 (docs/performance.md), and this part of it can be
-measured and trimmed on any machine. Triton's own launcher (tens of µs per launch) is not included: time it on
-the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call.
+measured and trimmed on any machine. Triton's own C launcher (~10 µs per launch) is not included: time it on
+the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch ops of the glue run on the CPU here
+(a GPU would queue them): at long lengths a figure that grows with N beyond allocation is that work.
 
-    python benchmarks/host_time.py [--specs shaw,txl] [--calls 400]
+    python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
+                                   [--calls 400] [--forward-only] [--ring] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import yaml
 
 import relgen
 from relgen.check.verify import make_inputs
+from relgen.runtime.launch import Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class _NoLaunch:
-    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **meta)` does nothing."""
+@contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Every Launcher launch does the host work of a launch that hits its kept kernels, and launches nothing."""
 
-    def __getitem__(self, grid: object) -> Callable[..., None]:
-        return lambda *args, **meta: None
+    def launch(self: Launcher, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        self.key(args, kwargs)
+        tuple(self._constexprs(len(args), kwargs))
+
+    saved = Launcher.launch
+    Launcher.launch = launch
+    try:
+        yield
+    finally:
+        Launcher.launch = saved
 
 
 def best_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
-    for _ in range(30):
+    for _ in range(min(calls, 30)):
         fn()
     best = float("inf")
     for _ in range(repeats):
@@ -42,35 +61,74 @@ def best_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
     return best
 
 
-def host_time(name: str, calls: int) -> tuple[float, float]:
-    """(forward, forward + backward) µs per call at B = H = 1, N = 128, d = 64, fp16, on the CPU."""
-    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+def load(name: str, window: tuple[int, int] | None) -> relgen.MechanismSpec:
+    path = Path(name) if name.endswith((".yaml", ".yml")) else ROOT / "specs" / f"{name}.yaml"
+    data = yaml.safe_load(path.read_text())
+    if window is not None:
+        data = {**data, "name": f"{data['name']}_local", "window": {"left": window[0], "right": window[1]}}
+    return relgen.load_spec(data)
+
+
+def calls_of(
+    spec: relgen.MechanismSpec, n: int, heads: int, ring: bool = False
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(forward, forward + backward) of one call at B = 1, `heads` heads, N = n, d = 64, fp16, on the CPU; `ring`:
+    through relgen.distributed's ring of one (no process group), contiguous."""
     fn = relgen.compile_mechanism(spec)
-    module = fn.module
-    for attr in dir(module):
-        if attr.endswith("_kernel"):
-            setattr(module, attr, _NoLaunch())
-    inputs = make_inputs(spec, b=1, h=1, nq=128, d=64, dtype=torch.float16, device="cpu")
+    if ring:
+        import relgen.distributed as rd
+
+        fn = rd.context_parallel(fn)
+    inputs = make_inputs(spec, b=1, h=heads, nq=n, d=64, dtype=torch.float16, device="cpu")
     leaves = list(inputs.leaves.values())
 
     def forward():
         return fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
 
-    def both():
-        out = forward()
-        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    do = torch.ones_like(forward())  # made once: a CPU fill of dO would be timed as host work
 
-    return best_us(forward, calls), best_us(both, calls)
+    def both():
+        torch.autograd.grad(forward(), leaves, do)
+
+    return forward, both
+
+
+def profile(fn: Callable[[], object], calls: int, rows: int = 25) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    return text.getvalue()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", default="shaw,txl,deberta_v3,t5")
+    parser.add_argument("--seq-lens", default="128")
+    parser.add_argument("--window", default=None, help="LEFT,RIGHT: the specs with a local window")
+    parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--ring", action="store_true", help="each call through relgen.distributed's ring of one")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
     args = parser.parse_args()
-    for name in args.specs.split(","):
-        fwd, both = host_time(name, args.calls)
-        print(f"{name:12s} forward {fwd:7.1f} µs   forward + backward {both:7.1f} µs  (launches stubbed, best of 5)")
+    torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
+    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
+    with stubbed_launches():
+        for n in (int(x) for x in args.seq_lens.split(",")):
+            for name in args.specs.split(","):
+                spec = load(name, window)
+                forward, both = calls_of(spec, n, args.heads, args.ring)
+                label = spec.name + (" ring" if args.ring else "")
+                line = f"{label:16s} N={n:<6d} H={args.heads:<3d} forward {best_us(forward, args.calls):8.1f} µs"
+                if not args.forward_only:
+                    line += f"   forward + backward {best_us(both, args.calls):8.1f} µs"
+                print(line + "  (launches stubbed, best of 5)", flush=True)
+                if args.profile:
+                    print(profile(forward, args.calls), flush=True)
 
 
 if __name__ == "__main__":

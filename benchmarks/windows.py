@@ -2,6 +2,7 @@
 window) as the ceiling, as a Markdown table (or JSON) headed by the date, the commit and the GPU.
 
     python benchmarks/windows.py [--specs shaw,txl] [--seq-lens 8192,32768] [--left 256] [--right 0] [--json]
+                                 [--breakdown] [--forward-only]
 
 fp16, B = 1, H = 12, d = 64 by default. Times are medians over --reps calls measured with CUDA events (after
 --warmup calls): the forward alone (under no_grad) and the forward + backward for a fixed dO. A run that does not
@@ -9,7 +10,11 @@ fit in memory is reported as "OOM" (the spec without a window at 32K on an ident
 The windowed forward should be at least 10× faster than the unwindowed one at 32K for a window of 256: its key
 tiles per query tile shrink from N / BN to about (left + right) / BN + 2.
 
-A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file.
+A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --breakdown adds, per row, where a
+forward's time goes: each kernel's CUDA time per forward (torch.profiler), their sum, and the host's time per
+forward (calls issued back to back without a sync, as relgen.bench's host_ms): a forward whose event time exceeds
+its kernels' sum by about its host time is host-bound; a cProfile of the host path follows (per call, the
+functions with the most own time).
 """
 
 from __future__ import annotations
@@ -46,12 +51,42 @@ def event_ms(run: Callable[[], object], warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def timings(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], warmup: int, reps: int) -> dict:
-    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory."""
-    result: dict[str, float | None] = {"fwd_ms": None, "fwd_bwd_ms": None}
+def breakdown(run: Callable[[], object]) -> dict:
+    """Each kernel's CUDA time per call (ms), their sum, the host's time per call (µs) of `run`, and a cProfile of
+    its host path (the 15 functions with the most own time per call)."""
+    from profile_kernels import kernel_times, profile_calls
+
+    from relgen.bench.worker import host_ms, queued_calls
+
+    kernels = kernel_times(run, iters=10)
+    gpu_ms = sum(kernels.values())
+    calls = queued_calls(max(gpu_ms, 1e-3))
+    return {
+        "kernels_ms": {name: round(ms, 4) for name, ms in kernels.items()},
+        "gpu_ms": gpu_ms,
+        "host_us": host_ms(run, torch.device("cuda"), calls) * 1e3,
+        "host_profile": profile_calls(run, calls=4 * calls, rows=15, sync_every=calls),
+    }
+
+
+def timings(
+    run: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    warmup: int,
+    reps: int,
+    split: bool = False,
+    forward_only: bool = False,
+) -> dict:
+    """{"fwd_ms", "fwd_bwd_ms"} of `run`, None where it ran out of memory or was not asked for; with `split`, the
+    forward's breakdown."""
+    result: dict = {"fwd_ms": None, "fwd_bwd_ms": None}
     try:
         with torch.no_grad():
             result["fwd_ms"] = event_ms(run, warmup, reps)
+            if split:
+                result["fwd_breakdown"] = breakdown(run)
+        if forward_only:
+            return result
         do = torch.randn_like(run())
         result["fwd_bwd_ms"] = event_ms(lambda: torch.autograd.grad(run(), leaves, do), warmup, reps)
     except torch.cuda.OutOfMemoryError:
@@ -77,7 +112,8 @@ def spec_rows(name: str, n: int, args: argparse.Namespace) -> list[dict]:
     for label, spec in (("no window", plain), (f"window [{-args.right}, {args.left}]", local)):
         fn = relgen.compile_mechanism(spec)
         t = tables(spec, n, h, d)
-        measured = timings(lambda fn=fn, t=t: fn(q, k, v, **t), [q, k, v], args.warmup, args.reps)
+        call = lambda fn=fn, t=t: fn(q, k, v, **t)  # noqa: E731
+        measured = timings(call, [q, k, v], args.warmup, args.reps, args.breakdown, args.forward_only)
         rows.append({"spec": plain.name, "n": n, "call": label, **measured})
     return rows
 
@@ -86,7 +122,7 @@ def sdpa_row(n: int, args: argparse.Namespace) -> dict:
     b, h, d = args.batch, args.heads, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DTYPE).requires_grad_() for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    measured = timings(lambda: sdpa(q, k, v), [q, k, v], args.warmup, args.reps)
+    measured = timings(lambda: sdpa(q, k, v), [q, k, v], args.warmup, args.reps, forward_only=args.forward_only)
     return {"spec": "SDPA (no relative terms)", "n": n, "call": "no window", **measured}
 
 
@@ -110,6 +146,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    parser.add_argument("--breakdown", action="store_true", help="add each forward's kernels and host time")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward alone (no backward kernels)")
     args = parser.parse_args()
 
     rows: list[dict] = []
@@ -137,8 +175,16 @@ def main() -> None:
         key = (row["spec"], row["n"])
         first = base.setdefault(key, row)  # each spec's first row is its call without a window
         fwd, both = row["fwd_ms"], row["fwd_bwd_ms"]
-        print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {shown(both)} | "
+        both_text = "–" if args.forward_only else shown(both)
+        print(f"| {row['spec']} | {row['n']} | {row['call']} | {shown(fwd)} | {both_text} | "
               f"{speedup(first['fwd_ms'], fwd)} | {speedup(first['fwd_bwd_ms'], both)} |")  # fmt: skip
+    for row in rows:
+        split = row.get("fwd_breakdown")
+        if split:
+            kernels = ", ".join(f"{name} {ms:.3f}" for name, ms in split["kernels_ms"].items())
+            print(f"\n{row['spec']} {row['n']} {row['call']}: forward kernels {split['gpu_ms']:.3f} ms in all "
+                  f"({kernels}); host {split['host_us']:.0f} µs per forward")  # fmt: skip
+            print("\n".join(f"    {line}" for line in split["host_profile"]))
 
 
 if __name__ == "__main__":

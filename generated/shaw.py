@@ -1972,9 +1972,8 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
     dummy = lse2
     bias_vec = None
     k_desc = v_desc = None
-    if geo.nk > geo.c:  # saturated tiles exist only where the keys outnumber the band's columns
-        pairs = geo.batch * geo.heads * geo.nq * geo.nk
-        k_desc, v_desc = _rt.kv_descriptors(k, v, c.block_n, varlen=geo.varlen, pairs=pairs)
+    if geo.saturated_tiles:  # the descriptors serve saturated tiles only
+        k_desc, v_desc = _rt.kv_descriptors(k, v, c.block_n, varlen=geo.varlen, pairs=geo.scored_pairs)
     grid = (_rt.cdiv(geo.nq, c.block_m), geo.batch * geo.heads)
     _for_lengths(_attn_fwd_kernel, _attn_fwd_any_length, geo)[grid](
         q,

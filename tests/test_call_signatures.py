@@ -115,11 +115,9 @@ def test_unkept_calls_are_checked_every_time(checks):
     plan.calls.clear()
     inputs = make_inputs(spec("t5"), b=2, h=2, nq=24, d=16)
     q_strided = inputs.q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) != 1: copied by the checks
-    mask = torch.ones(2, 24, dtype=torch.bool)
     unkept = [
         dict(dropout_p=0.1),
         dict(dropout_p=0.0, dropout_seed=3),
-        dict(key_padding_mask=mask),
     ]
     for _ in range(2):
         for options in unkept:
@@ -127,6 +125,32 @@ def test_unkept_calls_are_checked_every_time(checks):
         prepare_call(plan, q_strided, inputs.k, inputs.v, None, None, inputs.tables["bias"])
     assert len(checks) == 2 * (len(unkept) + 1)
     assert not plan.calls
+
+
+def test_a_padding_mask_is_kept_by_its_shape_and_read_anew(checks):
+    """A call with a key padding mask of the kept shape, dtype and device (a model's layers, each handed its batch's
+    mask) reuses the Geometry; the kernels get that call's own mask, and a mask check_call would refuse is checked
+    (and refused) again."""
+    plan = plan_of("t5")
+    plan.calls.clear()
+    inputs = make_inputs(spec("t5"), b=2, h=2, nq=24, d=16)
+    first_mask = torch.ones(2, 24, dtype=torch.bool)
+    first = call(plan, inputs, key_padding_mask=first_mask)
+    mask = torch.rand(2, 24, generator=torch.Generator().manual_seed(0)) > 0.5
+    again = call(plan, inputs, key_padding_mask=mask)
+    assert len(checks) == 1 and again.geo is first.geo
+    assert torch.equal(again.kpm, mask.to(torch.int8)) and torch.equal(first.kpm, first_mask.to(torch.int8))
+    call(plan, inputs)  # no mask: a signature of its own
+    assert len(checks) == 2
+    bad_masks = [
+        (mask.to(torch.int8), "key_padding_mask: expected a bool tensor"),
+        (mask[:, :-1], "key_padding_mask: expected a bool tensor of shape \\[2, 24\\]"),
+        (mask.to_sparse(), "key_padding_mask"),
+        ("mask", "key_padding_mask"),
+    ]
+    for bad, error in bad_masks:
+        with pytest.raises(ValueError, match=error):
+            call(plan, inputs, key_padding_mask=bad)
 
 
 def test_an_override_bypasses_the_kept_signatures(checks):

@@ -252,6 +252,67 @@ def test_a_ring_of_one_is_the_unsharded_call_bit_for_bit():
 
 
 @INTERPRETED
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_ring_of_one_keeps_its_projections_and_merges_nothing(monkeypatch, recompute):
+    """One contiguous chunk is one pair: its forward's output is the ring's (no merge), and its backward reuses the
+    forward's projections as the plain call does (recompute_projections=True: formed again, as the plain call's),
+    bit for bit the plain call's either way. In two zigzag chunks each query chunk merges once: its first pair
+    starts its total."""
+    import relgen
+    import relgen.distributed as rd
+    from relgen.distributed import schedule
+    from relgen.distributed.merge import merge
+
+    spec = _spec(Case("txl", "txl", "contiguous"))
+    fn = relgen.compile_mechanism(spec)
+    inputs, leaves = _leaves(spec, 24, 24, 24)
+    do = torch.randn(1, 2, 24, D, generator=torch.Generator().manual_seed(1))
+    merges, projections = [], []
+    monkeypatch.setattr(schedule, "merge", lambda *a: merges.append(1) or merge(*a))
+    real = fn.module._projections
+    monkeypatch.setattr(fn.module, "_projections", lambda *a, **kw: projections.append(1) or real(*a, **kw))
+
+    options = {"recompute_projections": recompute}
+    got = rd.context_parallel(fn)(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    got_grads = torch.autograd.grad(got, leaves, do)
+    assert (merges, len(projections)) == ([], 1 + recompute)
+    expected = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    assert torch.equal(got, expected)
+    for a, e in zip(got_grads, torch.autograd.grad(expected, leaves, do), strict=True):
+        assert torch.equal(a, e)
+    rd.context_parallel(fn, sharding="zigzag")(inputs.q, inputs.k, inputs.v, **inputs.tables)
+    assert len(merges) == 2  # 2 query chunks × 2 key chunks, non-causal
+
+
+@INTERPRETED
+@pytest.mark.parametrize("terms", [["query"], ["query", "key"]])
+def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, terms):
+    """Clipped at ±3, every query's window is the whole expansion (W = C = 7): a query chunk's Z̃^Q is the same
+    for each key chunk, and the backward forms it once per query chunk (two of zigzag's four pairs), where the spec
+    stores no Z̃^K; with one (which is each key chunk's), once per pair. Both close to the unsharded call."""
+    import relgen
+    import relgen.distributed as rd
+    from relgen.testing import assert_close
+
+    spec = relgen.load_spec({"name": f"clip3_{len(terms)}", "terms": terms, "map": {"kind": "clipped", "min": -3,
+                                                                                    "max": 3}})  # fmt: skip
+    fn = relgen.compile_mechanism(spec)
+    inputs, leaves = _leaves(spec, 32, 32, 32)
+    do = torch.randn(1, 2, 32, D, generator=torch.Generator().manual_seed(4))
+    expected = fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+    expected_grads = torch.autograd.grad(expected, leaves, do)
+    got = rd.context_parallel(fn, sharding="zigzag")(inputs.q, inputs.k, inputs.v, **inputs.tables)
+    assert_close(got, expected, torch.float32, "out")
+    formed = []
+    real = fn.module._projections
+    monkeypatch.setattr(fn.module, "_projections", lambda *a, **kw: formed.append(1) or real(*a, **kw))
+    names = ["dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)]
+    for name, a, e in zip(names, torch.autograd.grad(got, leaves, do), expected_grads, strict=True):
+        assert_close(a, e, torch.float32, name)
+    assert len(formed) == (2 if terms == ["query"] else 4)
+
+
+@INTERPRETED
 def test_a_ring_of_one_in_zigzag_chunks_with_offsets_and_unequal_lengths():
     """Two chunks of queries (16 from position 16) against two chunks of keys (32 from 0): four chunk pairs, each
     with its own offsets and identity rows, merged; the result is the unsharded call's."""
@@ -382,6 +443,7 @@ _BAD_CALLS = [
     ("contiguous", {"dropout_p": 0.1, "dropout_seed": "x"}, ValueError, "dropout_seed"),
     ("contiguous", {"dropout_p": 1.5}, ValueError, "dropout_p"),
     ("contiguous", {"scale": -1.0}, ValueError, "scale"),
+    ("contiguous", {"recompute_projections": 1}, ValueError, "recompute_projections: expected a bool"),
 ]
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_cases import make_inputs
@@ -139,3 +140,68 @@ def test_device_constants_are_made_on_a_thread_of_their_own():
 
     with pytest.raises(ValueError, match="no device"):
         _outside_graph_pools(fail)
+
+
+@pytest.mark.parametrize(
+    ("map_", "window", "n", "q_offset"),
+    [
+        ({"kind": "identity"}, {"left": 5, "right": 2}, 30, 0),
+        ({"kind": "identity"}, {"left": None, "right": 3}, 20, 7),
+        ({"kind": "identity", "offset": "key_minus_query"}, {"left": 4, "right": 0}, 25, 3),
+        ({"kind": "identity", "offset": "key_minus_query"}, None, 18, 0),
+    ],
+)
+def test_fold_of_a_length_dependent_map_gathers_each_row_from_its_column(map_, window, n, q_offset):
+    """The backward's fold of an identity or reversed map (windowed or not): row r reads the one column s with
+    β(s) = r, none for a row outside the window, worked out here from β itself; and the runs are made once per
+    length, not per call (2L − 1 rows)."""
+    data = {"name": "fold_case", "terms": ["query"], "map": map_, **({"window": window} if window else {})}
+    spec = relgen.load_spec(data)
+    module = relgen.compile_mechanism(spec).module
+    inputs = make_inputs(spec, b=1, h=1, nq=n, d=16, device="cpu", length=n + q_offset)
+    geo = geometry(module, inputs, q_offset=q_offset)
+    beta = geo.copy_beta or list(range(geo.c))
+    column = {row: s for s, row in enumerate(beta)}
+    assert len(column) == geo.c  # one column per row
+    expected = tuple((column[r], 1) if r in column else (0, 0) for r in range(geo.rows))
+    assert geo.fold == expected
+    again = geometry(module, make_inputs(spec, b=2, h=1, nq=n, d=16, device="cpu", length=n + q_offset),
+                     q_offset=q_offset)  # fmt: skip
+    assert again is not geo and again.fold is geo.fold
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(["shaw", "txl", "t5_decoder"]),
+    left=st.one_of(st.none(), st.integers(0, 40)),
+    right=st.one_of(st.none(), st.integers(0, 40)),
+    nq=st.integers(1, 70),
+    nk=st.integers(1, 70),
+    q_offset=st.integers(0, 30),
+)
+def test_saturated_tiles_and_scored_pairs_by_brute_force(name, left, right, nq, nk, q_offset):
+    """The forward makes TMA descriptors only where some admitted pair lies beyond the band [low, high] (a
+    saturated tile needs one), and sizes that choice by the pairs it scores: at least the admitted pairs counted
+    one by one, and B·H·Nq·Nk without a window."""
+    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    if left is not None or right is not None:
+        data = {**data, "name": f"{name}_local", "window": {"left": left, "right": right}}
+    spec = relgen.load_spec(data)
+    length = max(nq + q_offset, nk)
+    inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device="cpu", length=length)
+    module = relgen.compile_mechanism(spec).module_for(length)
+    geo = geometry(module, inputs, q_offset=q_offset)
+    causal = module.PLAN.causal
+    admitted = [
+        i + q_offset - j
+        for i in range(nq)
+        for j in range(nk)
+        if (not causal or i + q_offset >= j)
+        and (left is None or i + q_offset - j <= left)
+        and (right is None or i + q_offset - j >= -right)
+    ]
+    beyond = any(d < geo.low or d > geo.high for d in admitted)
+    assert geo.saturated_tiles == (geo.nk > geo.c and beyond)
+    assert geo.scored_pairs >= 2 * len(admitted)
+    if left is None and right is None and not causal:
+        assert geo.scored_pairs == 2 * nq * nk

@@ -203,6 +203,59 @@ def test_patched_attention_matches_float64(mha, padding, sdpa):
     assert not failures, "\n".join(failures)
 
 
+def test_layers_handed_one_mask_read_it_once(mha, monkeypatch):
+    """An encoder's layers share its mask: the first layer reads it (a wait for the GPU), the others reuse that
+    reading, each still exact; a mask changed in place, or a new one, is read again, and so is an inference-mode
+    mask (no version counter to tell a change)."""
+    torch.manual_seed(0)
+    layers = [attention(mha) for _ in range(3)]
+    references = [copy_of(mha, layer, torch.float64) for layer in layers]
+    for layer in layers:
+        relgen.integrations.patch(layer)
+    reads = []
+    real_masks = nemo_conformer._masks
+    monkeypatch.setattr(nemo_conformer, "_masks", lambda *a: reads.append(1) or real_masks(*a))
+    x = torch.randn(2, T, D_MODEL)
+    pos_emb = positions(mha, x)
+    mask = nemo_mask(padded())
+    for layer, reference in zip(layers, references, strict=True):
+        assert not compare(layer, reference, (x, mask, pos_emb))
+    assert len(reads) == 1
+    mask[1, :, 3] = True  # key 3 of the second sequence is padding now (in place)
+    for layer, reference in zip(layers, references, strict=True):
+        assert not compare(layer, reference, (x, mask, pos_emb))
+    assert len(reads) == 2
+    with torch.no_grad():
+        layers[0](query=x, key=x, value=x, mask=mask.clone(), pos_emb=pos_emb)
+        assert len(reads) == 3
+        with torch.inference_mode():
+            frozen = mask.clone()
+            for _ in range(2):
+                layers[0](query=x, key=x, value=x, mask=frozen, pos_emb=pos_emb)
+        assert len(reads) == 5
+
+
+def test_biases_kept_without_autograd_follow_in_place_updates(mha):
+    """Without autograd a layer keeps u and v − u in the attention dtype across calls; an in-place update of u or v
+    (an optimizer step, load_state_dict) is seen by the next call, which matches NeMo's float64 code again."""
+    torch.manual_seed(0)
+    module = attention(mha)
+    reference = copy_of(mha, module, torch.float64)
+    relgen.integrations.patch(module)
+    x = torch.randn(2, T, D_MODEL)
+    mask, pos_emb = nemo_mask(padded()), positions(mha, x)
+    for step in range(3):
+        with torch.no_grad():
+            out = module(query=x, key=x, value=x, mask=mask, pos_emb=pos_emb)
+            expected = reference(query=x.double(), key=x.double(), value=x.double(), mask=mask,
+                                 pos_emb=pos_emb.double())  # fmt: skip
+            ok, message = check_close(out, expected, torch.float32, f"output after {step} updates")
+            assert ok, message
+            for layer in (module, reference):  # the same step on both
+                layer.pos_bias_u.add_(0.5 if step == 0 else 0.0)
+                layer.pos_bias_v.mul_(2.0 if step == 1 else 1.0)
+
+
 @SLOW
 def test_streaming_cache_step(mha):
     """A cache-aware streaming step: the cache (partly filled in the first sequence) is prepended to the keys by

@@ -166,6 +166,24 @@ def test_plan_expands_only_the_window_and_skips_the_tiles_outside_it():
     assert "local_window=[0, 64]" in local.summary()
 
 
+def test_a_window_inside_the_clipping_makes_no_tma_descriptors(monkeypatch):
+    """Shaw's 32K benchmark call in small: a window [0, 5] inside the clipping at ±5 leaves no saturated tile, so the
+    forward makes no K/V descriptors (host time per launch on the H200) even where they are forced; without the
+    window the same call makes them. Both stay exact."""
+    from relgen.runtime import descriptors, surface
+
+    made = []
+    real = surface.kv_descriptors
+    monkeypatch.setattr(surface, "kv_descriptors", lambda *a, **kw: made.append(kw["pairs"]) or real(*a, **kw))
+    clipped = {"name": "clip5", "terms": ["query"], "map": {"kind": "clipped", "min": -5, "max": 5}}
+    for spec, expected in ((windowed(clipped, 5, 0), []), (relgen.load_spec(clipped), [40 * 40 * 2])):
+        made.clear()
+        inputs = make_inputs(spec, b=1, h=2, nq=40, d=16, device=DEVICE, seed=3)
+        with descriptors.forced(True):
+            assert_all_close(compare(spec, inputs), spec.name)
+        assert made == expected, spec.name
+
+
 def test_a_window_bounds_the_saturation_of_a_saturating_map():
     plan = relgen.plan.analyze(windowed("deberta_v3", 40, 3), 1024)
     assert (plan.saturation_low, plan.saturation_high) == (-3, 40)

@@ -68,22 +68,66 @@ class Blocks:
         before any transfer, so that a bad call fails on every rank alike."""
         self._call(q, k, v, tables, kpm, qs, ks)
 
-    def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """(O, base-2 lse [B·H·n]) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`."""
-        o, lse2, _, _ = self.module._forward_pass(self._call(q, k, v, tables, kpm, qs, ks), False)
-        return o, lse2
+    def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, keep: bool = False):
+        """(O, base-2 lse [B·H·n], kept) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`;
+        kept: with `keep`, the (checked call, projections, expanded tables) of the pair's forward, which a backward
+        of the same pair may reuse (else None)."""
+        call = self._call(q, k, v, tables, kpm, qs, ks)
+        o, lse2, projections, expanded = self.module._forward_pass(call, keep)
+        return o, lse2, (call, projections, expanded) if keep else None
 
-    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2):
+    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2, kept=None, shared=None):
         """(dq, dk, dv, (daq, dak, dbias)) of the pair, given the GATHERED call's O and base-2 lse of the queries
         `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
-        key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed."""
+        key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed,
+        unless `kept` holds this pair's from its forward (Blocks.forward), or `shared` (a dict the backward's pairs
+        share) holds those of an earlier pair of the same query chunk that are this pair's too (`_shared_window`)."""
+        if kept is not None:  # this pair's forward: its call, projections and expanded tables
+            call, projections, expanded = kept
+            dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, projections, expanded)
+            return dq, dk, dv, tuple(dtables)
         call = self._call(q, k, v, tables, kpm, qs, ks)
-        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, None)
+        if shared is not None and self._shared_window(call):
+            kept = shared.get(qs.chunk)
+            if kept is None:
+                geo = call.geo
+                expanded = geo.expand(call.aq, call.ak, call.bias)
+                kept = (self.module._projections(call.q, call.k, expanded, geo, geo.config), expanded)
+                if kept[0][1] is None:  # no Z̃^K: the projections are the query chunk's alone
+                    shared[qs.chunk] = kept
+        projections, expanded = kept if kept is not None else (None, None)
+        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, projections, expanded)
         return dq, dk, dv, tuple(dtables)
 
-    def add_table_grads(self, totals: list[torch.Tensor | None], dtables, qs: Segment, ks: Segment) -> None:
-        """Add a pair's table gradients to the gathered tables' fp32 totals (in place)."""
+    def _shared_window(self, call: Call) -> bool:
+        """Whether the pair's Z̃^Q is its query chunk's whatever the key chunk: a map whose expansion does not depend
+        on the pair's length (not an identity map), with each query's window the whole expansion (W = C: every
+        window starts at column 0 whatever the offsets), stored by offset. Its bounds (fp16 storage) are then the
+        same too where the spec stores no Z̃^K: they read q and Ã^Q only."""
+        geo = call.geo
+        plan = geo.plan
+        return (
+            not plan.length_dependent
+            and geo.wq == geo.c
+            and plan.projections == "by_offset"
+            and plan.relations == "projected"
+        )
+
+    def add_table_grads(self, totals: list, dtables, tables: Tables, qs: Segment, ks: Segment) -> list:
+        """The gathered tables' gradient sums with a pair's added (in the pairs' order): while one pair's gradient
+        of the whole table is all there is, that gradient as it came; fp32 from the second pair on, or from the
+        first that reads only some rows (an identity map's shorter pair)."""
         rows = self.table_rows(qs, ks)
-        for total, grad, dim in zip(totals, dtables, ROW_DIMS, strict=True):
-            if total is not None and grad is not None:
-                (total if rows is None else total.narrow(dim, *rows)).add_(grad)
+        summed = []
+        for total, grad, table, dim in zip(totals, dtables, tables, ROW_DIMS, strict=True):
+            if grad is not None and table is not None:
+                if total is None and grad.shape == table.shape:
+                    total = grad
+                else:
+                    if total is None:
+                        total = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+                    elif total.dtype != torch.float32:
+                        total = total.float()
+                    (total if rows is None or grad.shape == table.shape else total.narrow(dim, *rows)).add_(grad)
+            summed.append(total)
+        return summed

@@ -18,8 +18,9 @@ def merge(
     o: torch.Tensor, lse2: torch.Tensor, o_part: torch.Tensor, lse2_part: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, lse) of the union of two sets of keys, from each set's O [..., n, d] and base-2 lse [..., n]. Computed
-    in fp32 whatever `o_part`'s dtype; `o` and `lse2` are the running fp32 totals (start: zeros and −inf). Merging
-    into an empty total gives `o_part` and `lse2_part` unchanged, bit for bit."""
+    in fp32 whatever the O's dtypes; `o` and `lse2` are the running totals: fp32, or the first set's own (its O in
+    its dtype: a ring starts from its first pair rather than from an empty total). Merging into the empty total
+    (zeros and −inf) gives `o_part` and `lse2_part` unchanged, so starting from the first set changes no bit."""
     high = torch.maximum(lse2, lse2_part)
     # rows that no key has reached yet stay at 0 / −inf: a finite reference point keeps exp2 away from −inf − −inf
     high = torch.where(high == float("-inf"), 0.0, high)

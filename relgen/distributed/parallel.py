@@ -39,8 +39,11 @@ class ContextParallel:
 
     Options as `fn`'s: `key_padding_mask` ([B, n] bool, sharded like k), `q_offset`, `k_offset` (positions of
     the gathered sequences' first query and key), `dropout_p`, `dropout_seed`, `scale`, `return_lse`.
-    `recompute_projections` is accepted: the ring always recomputes them in its backward. Packed sequences
-    (`cu_seqlens`) are not supported.
+    `recompute_projections`: a call that is a single pair of chunks (a ring of one, contiguous) keeps its
+    forward's projections for the backward, as the plain call does, unless it is True; every other call recomputes
+    them in its backward (a pair's windows of Z̃ depend on its offsets, and keeping every pair's would cost a rank
+    the memory of the unsharded call), once per query chunk where its pairs share them (a Z̃^Q alone whose
+    windows are the whole expansion). Packed sequences (`cu_seqlens`) are not supported.
 
     Dropout: the mask is the unsharded call's (`relgen.testing.dropout_keep_mask` over the gathered sequence, at
     its offsets), whatever the group size and the sharding: the kernels key it by absolute positions, and every
@@ -68,6 +71,8 @@ class ContextParallel:
                 f"{given[0]}: packed sequences are not supported by context_parallel; shard padded [B, H, N, d] "
                 "sequences with a key_padding_mask instead"
             )
+        if not isinstance(recompute_projections, bool):
+            raise ValueError(f"recompute_projections: expected a bool, got {type(recompute_projections).__name__}")
         layout = self._layout(q, k, v, key_padding_mask, q_offset, k_offset)
         length = max(q_offset + layout.nq * self.ring.size, k_offset + layout.nk * self.ring.size)
         module = self.fn.module_for(length)
@@ -82,12 +87,13 @@ class ContextParallel:
             )
         options: dict[str, Any] = {"scale": scale, "dropout_p": dropout_p, "dropout_seed": dropout_seed}
         blocks = Blocks(module, length, options)
-        first_q, first_k = layout.queries(self.ring)[0], layout.keys(self.ring, self.ring.rank)[0]
-        blocks.check(
-            first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2), tables,
-            first_k.of(key_padding_mask, 1) if key_padding_mask is not None else None, first_q, first_k,
-        )  # fmt: skip
-        call = RingCall(self.ring, blocks, layout, key_padding_mask)
+        if self.ring.size > 1:  # a ring of one transfers nothing: its first pair's call checks the same arguments
+            first_q, first_k = layout.queries(self.ring)[0], layout.keys(self.ring, self.ring.rank)[0]
+            blocks.check(
+                first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2), tables,
+                first_k.of(key_padding_mask, 1) if key_padding_mask is not None else None, first_q, first_k,
+            )  # fmt: skip
+        call = RingCall(self.ring, blocks, layout, key_padding_mask, keep_projections=not recompute_projections)
         o, lse2 = RingAttention.apply(q, k, v, aq, ak, bias, call)
         return (o, lse2 * LN2) if return_lse else o
 

@@ -4,7 +4,9 @@ chunks it holds while those chunks move on to the next rank.
 Forward: at step s rank r holds the keys, values (and key padding mask) of rank r − s. It posts their transfer to
 r + 1, runs the module's forward on each (query chunk, key chunk) pair that is not wholly in the causal future,
 and merges the partial outputs through their log-sum-exp (`merge`), in step order: a fixed order, so the result
-repeats bit for bit. After P steps every query has seen every key.
+repeats bit for bit. A query chunk's first pair starts its total (no merge into zeros), so a ring of one in one
+contiguous chunk is the plain call: one pair, its output and gradients as they come. After P steps every query
+has seen every key.
 
 Backward: the same ring again, with the gathered output and log-sum-exp of the local queries. dQ sums on the
 rank; dK and dV are summed on the chunk they belong to and travel one step behind it: after its last step the
@@ -46,8 +48,9 @@ class Layout:
 
 
 def _travelling(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None) -> list[torch.Tensor]:
-    """What a key chunk carries round the ring: K, V and its padding mask (as bytes: every backend sends those)."""
-    return [k.contiguous(), v.contiguous()] + ([kpm.contiguous().view(torch.uint8)] if kpm is not None else [])
+    """What a key chunk carries round the ring: K, V and its padding mask (as bytes: every backend sends those).
+    Ring.pass_on makes them contiguous when they leave: a ring of one reads them in place."""
+    return [k, v] + ([kpm.view(torch.uint8)] if kpm is not None else [])
 
 
 def _arrived(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -55,12 +58,40 @@ def _arrived(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, t
     return k, v, rest[0].view(torch.bool) if rest else None
 
 
-def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm):
-    """(O in q's dtype, base-2 lse fp32 [B, H, nq]) of the local queries over the gathered keys."""
-    b, h, _, d = q.shape
+def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """total + part: the first part as it came (no zeros to add it to, no conversion: a chunk that one pair
+    reaches gets that pair's result itself), fp32 from the second part on, parts added in the schedule's order.
+    0 + x = x, so the sums are those of fp32 zeros plus every part in that order."""
+    if total is None:
+        return part
+    return (total if total.dtype == torch.float32 else total.float()).add_(part)
+
+
+def _gathered(sums: list[torch.Tensor | None], like: torch.Tensor, lengths: list[int], dtype: torch.dtype):
+    """The chunks' sums one after the other along SEQ in `dtype` (zeros for a chunk no pair reached)."""
+    b, h, _, d = like.shape
+    parts = [
+        (s if s is not None else like.new_zeros((b, h, n, d), dtype=torch.float32)).to(dtype)
+        for s, n in zip(sums, lengths, strict=True)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, SEQ)
+
+
+def single_pair(ring: Ring, layout: Layout) -> bool:
+    """Whether the call is one pair of chunks (a ring of one in contiguous chunks): the plain call on one GPU."""
+    return ring.size == 1 and len(layout.queries(ring)) == 1
+
+
+def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm, keep: bool = False):
+    """(O in q's dtype, base-2 lse fp32 [B, H, nq], kept) of the local queries over the gathered keys. kept: with
+    `keep` and a single pair, its forward's (checked call, projections, expanded tables) for the backward (what the
+    plain call keeps: the same memory), else None. A query chunk's first pair gives its running (O, lse) as it
+    comes; each later pair merges into them (`merge`)."""
+    b, h = q.shape[:2]
     queries = layout.queries(ring)
-    outs = [q.new_zeros((b, h, s.length, d), dtype=torch.float32) for s in queries]
-    lses = [q.new_full((b, h, s.length), float("-inf"), dtype=torch.float32) for s in queries]
+    keep = keep and single_pair(ring, layout)
+    totals: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(queries)
+    kept = None
     travelling = _travelling(k, v, kpm)
     for step in range(ring.size):
         transfer = ring.pass_on(travelling) if step + 1 < ring.size else None
@@ -69,54 +100,71 @@ def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables,
             for ks in layout.keys(ring, ring.source(step)):
                 if not blocks.reaches(qs, ks):
                     continue
-                o, lse2 = blocks.forward(
+                o, lse2, pair_kept = blocks.forward(
                     qs.of(q, SEQ), ks.of(k_cur, SEQ), ks.of(v_cur, SEQ), tables,
-                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks,
+                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, keep=keep,
                 )  # fmt: skip
-                outs[n], lses[n] = merge(outs[n], lses[n], o, lse2.view(b, h, qs.length))
+                kept = pair_kept if keep else None
+                lse2 = lse2.view(b, h, qs.length)
+                totals[n] = (o, lse2) if totals[n] is None else merge(*totals[n], o, lse2)
         if transfer is not None:
             travelling = transfer.wait()
-    return torch.cat(outs, SEQ).to(q.dtype), torch.cat(lses, SEQ)
+    lengths = [qs.length for qs in queries]
+    o = _gathered([t[0] if t is not None else None for t in totals], q, lengths, q.dtype)
+    lses = [t[1] if t is not None else q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
+            for t, n in zip(totals, lengths, strict=True)]  # fmt: skip
+    return o, lses[0] if len(lses) == 1 else torch.cat(lses, SEQ), kept
 
 
-def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Tables, kpm, o, lse2):
-    """(dq, dk, dv in their inputs' dtypes, fp32 table gradients of this rank's pairs) for the local chunks; o and
-    lse2 [B, H, nq] are the gathered call's, for the local queries."""
+def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Tables, kpm, o, lse2, kept=None):
+    """(dq, dk, dv in their inputs' dtypes, the table gradients of this rank's pairs: fp32 sums, or a single
+    pair's own in the table's dtype; None for a table no pair reached) for the local chunks; o and lse2
+    [B, H, nq] are the gathered call's, for the local queries; kept: forward's (single pair)."""
     queries = layout.queries(ring)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dtables = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t is not None else None for t in tables]
-    # per query chunk, once: the kernels take dO, O and the lse as contiguous rows of their own
-    rows = [(qs, qs.of(do, SEQ).contiguous(), qs.of(o, SEQ), qs.of(lse2, SEQ).contiguous().view(-1)) for qs in queries]
+    dq_sums: list[torch.Tensor | None] = [None] * len(queries)
+    dtables: list[torch.Tensor | None] = [None] * len(tables)
+    # per query chunk, once: the kernels read dO and O through their strides, the lse as contiguous rows
+    rows = [(qs, qs.of(do, SEQ), qs.of(o, SEQ), qs.of(lse2, SEQ).contiguous().view(-1)) for qs in queries]
     travelling = _travelling(k, v, kpm)
     gradients: Transfer | None = None
     dk = dv = None
+    shared: dict = {}  # a query chunk's projections where all its pairs share them (Blocks.backward)
     for step in range(ring.size):
         transfer = ring.pass_on(travelling) if step + 1 < ring.size else None
         k_cur, v_cur, kpm_cur = _arrived(travelling)
+        key_chunks = layout.keys(ring, ring.source(step))
         parts = []
-        for qs, do_s, o_s, lse_s in rows:
-            for ks in layout.keys(ring, ring.source(step)):
+        for n, (qs, do_s, o_s, lse_s) in enumerate(rows):
+            for m, ks in enumerate(key_chunks):
                 if not blocks.reaches(qs, ks):
                     continue
                 dq_p, dk_p, dv_p, dt_p = blocks.backward(
                     do_s, qs.of(q, SEQ), ks.of(k_cur, SEQ), ks.of(v_cur, SEQ), tables,
-                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s,
+                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s, kept, shared,
                 )  # fmt: skip
-                qs.of(dq, SEQ).add_(dq_p)
-                blocks.add_table_grads(dtables, dt_p, qs, ks)
-                parts.append((ks, dk_p, dv_p))
-        # the chunk's sums so far come from the previous rank while this step computed
-        if gradients is None:
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        else:
+                dq_sums[n] = _add(dq_sums[n], dq_p)
+                dtables = blocks.add_table_grads(dtables, dt_p, tables, qs, ks)
+                parts.append((m, dk_p, dv_p))
+        if gradients is None:  # the first step: the chunks' sums start from this step's parts
+            dk_sums: list[torch.Tensor | None] = [None] * len(key_chunks)
+            dv_sums: list[torch.Tensor | None] = [None] * len(key_chunks)
+            for m, dk_p, dv_p in parts:
+                dk_sums[m], dv_sums[m] = _add(dk_sums[m], dk_p), _add(dv_sums[m], dv_p)
+            lengths = [ks.length for ks in key_chunks]
+            if ring.size == 1:  # nothing travels: the sums are the gradients
+                dk, dv = _gathered(dk_sums, k, lengths, k.dtype), _gathered(dv_sums, v, lengths, v.dtype)
+                break
+            dk = _gathered(dk_sums, k, lengths, torch.float32)  # fp32, as they travel and add up
+            dv = _gathered(dv_sums, v, lengths, torch.float32)
+        else:  # the chunk's sums so far came from the previous rank while this step computed
             dk, dv = gradients.wait()
-        for ks, dk_p, dv_p in parts:
-            ks.of(dk, SEQ).add_(dk_p)
-            ks.of(dv, SEQ).add_(dv_p)
-        gradients = ring.pass_on([dk, dv]) if ring.size > 1 else None
+            for m, dk_p, dv_p in parts:
+                key_chunks[m].of(dk, SEQ).add_(dk_p)
+                key_chunks[m].of(dv, SEQ).add_(dv_p)
+        gradients = ring.pass_on([dk, dv])
         if transfer is not None:
             travelling = transfer.wait()
     if gradients is not None:
         dk, dv = gradients.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtables
+    dq = _gathered(dq_sums, q, [qs.length for qs in queries], q.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dtables

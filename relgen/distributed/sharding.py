@@ -7,6 +7,7 @@ about the same number of (query, key) pairs to compute. A rank's shard is its ch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,9 @@ class Segment:
         return self.start + self.length
 
     def of(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The chunk's part of a shard `x` along `dim` (a view)."""
+        """The chunk's part of a shard `x` along `dim` (a view; x itself for a chunk that is the whole shard)."""
+        if self.local == 0 and self.length == x.shape[dim]:
+            return x
         return x.narrow(dim, self.local, self.length)
 
 
@@ -53,6 +56,7 @@ def chunk_ids(sharding: str, rank: int, size: int) -> tuple[int, ...]:
     return (rank,) if check_sharding(sharding) == "contiguous" else (rank, 2 * size - 1 - rank)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of ints, asked a few times per call
 def segments(sharding: str, rank: int, size: int, local_length: int, offset: int = 0) -> tuple[Segment, ...]:
     """The chunks of rank `rank`'s shard of `local_length` tokens, with absolute positions from `offset` on (the
     gathered sequence's first position)."""

@@ -165,7 +165,8 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
             if geo is not None:
                 plan.calls.move_to_end(signature)
         if geo is not None:
-            return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), aq, ak, bias, None, geo)
+            kpm = options.get("key_padding_mask")
+            return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), aq, ak, bias, _kpm_rows(kpm), geo)
     call = check_call(plan, q, k, v, aq, ak, bias, **options)
     if signature is not None:
         with _calls_lock:
@@ -178,15 +179,16 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
 #: call signatures whose Geometry each plan keeps (least recently used out)
 KEPT_CALLS = 32
 _calls_lock = threading.Lock()  # calls from several threads share a plan
-#: options whose presence makes a call unkept: per-call tensors (masks, packing) and per-call seeds
-_UNKEPT_OPTIONS = ("key_padding_mask", *PACKING_OPTIONS, "dropout_seed")
+#: options whose presence makes a call unkept: per-call tensors (packing) and per-call seeds
+_UNKEPT_OPTIONS = (*PACKING_OPTIONS, "dropout_seed")
 
 
 def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
     """What check_call's outcome is a function of, for a call whose tensors it would pass through unchanged (q, k,
-    v with unit last stride, contiguous tables) and without masks, packing or dropout; None for any other call,
-    which is checked in full. Options are keyed by name, type and value (True never stands in for 1: the checks
-    reject bools). A configuration override (tests, tuning) bypasses it."""
+    v with unit last stride, contiguous tables) and without packing or dropout; None for any other call, which is
+    checked in full. A key padding mask is keyed by what check_call checks of it (its shape, dtype, layout and
+    device: its values are the kernels'), other options by name, type and value (True never stands in for 1: the
+    checks reject bools). A configuration override (tests, tuning) bypasses it."""
     if overridden() or any(options.get(name) is not None for name in _UNKEPT_OPTIONS):
         return None
     dropout_p = options.get("dropout_p", 0.0)
@@ -204,12 +206,23 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
             tensors.append((t.shape, t.dtype, t.device))
         else:
             return None
+    kpm = options.get("key_padding_mask")
+    if kpm is not None:
+        if not isinstance(kpm, torch.Tensor):
+            return None
+        kpm = (kpm.shape, kpm.dtype, kpm.layout, kpm.device)
     return (
         *tensors,
-        *((name, type(value), value) for name, value in options.items()),
+        kpm,
+        *((name, type(value), value) for name, value in options.items() if name != "key_padding_mask"),
         interpreting(),
         projection_storage(),
     )
+
+
+def _kpm_rows(kpm: torch.Tensor | None) -> torch.Tensor | None:
+    """A checked key padding mask as the kernels read it: int8 rows [B, Nk] (1 = a real key)."""
+    return kpm.to(torch.int8).contiguous() if kpm is not None else None
 
 
 def check_call(
@@ -295,7 +308,7 @@ def check_call(
             raise ValueError(f"key_padding_mask: expected a dense (strided) tensor, got layout {m.layout}")
         if m.device != q.device:
             raise ValueError(f"key_padding_mask: must be on q's device ({q.device}), got {m.device}")
-        kpm = m.to(torch.int8).contiguous()
+        kpm = _kpm_rows(m)
 
     if (
         isinstance(dropout_p, bool)

@@ -306,14 +306,37 @@ class Geometry:
 
     @property
     def fold(self) -> Any:
+        """(first column, count) of each table row's run of copies, or None where no fold is needed (β is the
+        identity, or the atomic path reduced by row). Read by every backward: a length-dependent map's runs are
+        built once per (C, R, low), not per call (2L − 1 rows: ~20 ms of Python per call at 32K)."""
         if self.plan.path == "atomic":
             return None
-        if self.plan.copy_map == "reversed" and not self.plan.windowed_identity:
-            return tuple((self.c - 1 - r, 1) for r in range(self.rows))
-        if self.plan.windowed_identity:
-            column = {row: s for s, row in enumerate(self.copy_beta)}  # one column per row; the others read 0
-            return tuple((column[r], 1) if r in column else (0, 0) for r in range(self.rows))
+        beta = self.plan.copy_map
+        if (beta == "reversed" and not self.plan.windowed_identity) or self.plan.windowed_identity:
+            return _length_dependent_fold(beta == "reversed", self.plan.windowed_identity, self.c, self.rows, self.low)
         return self.plan.fold
+
+    @property
+    def admitted_offsets(self) -> tuple[int, int]:
+        """The δ interval of this call's pairs that the plan's masks admit (empty: low > high)."""
+        if self.varlen:  # a sequence's queries end where its keys end (check_call): δ ∈ [1 − Lq, Lk − 1] + doff
+            return self.plan.admitted(self.doff - (self.nq - 1), self.doff + self.nk - 1)
+        return self.plan.admitted(self.doff - (self.nk - 1), self.doff + self.nq - 1)
+
+    @property
+    def saturated_tiles(self) -> bool:
+        """Whether the forward can meet a saturated key tile (every pair at δ ≥ high or ≤ low): only where the keys
+        outnumber the band's columns and the masks admit offsets beyond the band. A local window that ends at the
+        band's edge (Shaw's [0, 256] inside its clipping at ±256) leaves none: a tile spans several offsets."""
+        low, high = self.admitted_offsets
+        return self.nk > self.c and (low < self.low or high > self.high)
+
+    @property
+    def scored_pairs(self) -> int:
+        """B·H·Nq·Nk, each query's keys counted at most as many as the admitted offsets: the pairs the kernels
+        score, what a call's GPU time grows with (a local window of 257 offsets at 32K: 1/128 of B·H·Nq·Nk)."""
+        low, high = self.admitted_offsets
+        return self.batch * self.heads * self.nq * max(min(self.nk, high - low + 1), 0)
 
     def table_head_stride(self, table: torch.Tensor | None) -> int:
         if table is None or self.heads_share_tables:
@@ -406,6 +429,20 @@ class Geometry:
 
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:
         return GradientBuffer(self, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _length_dependent_fold(
+    reversed_map: bool, windowed: bool, c: int, rows: int, low: int
+) -> tuple[tuple[int, int], ...]:
+    """Geometry.fold of an identity (or reversed) map at R = 2L − 1 rows whose columns s ∈ [0, C) hold the offsets
+    δ = s + low: row r = (R − 1)/2 ± δ is column ±(r − (R − 1)/2) − low, one column per row; a windowed map's rows
+    outside the window read none, (0, 0). Without a window a reversed map's C columns are its R rows backwards."""
+    if not windowed:
+        return tuple((c - 1 - r, 1) for r in range(rows))
+    base, sign = (rows - 1) // 2, -1 if reversed_map else 1
+    columns = (sign * (r - base) - low for r in range(rows))
+    return tuple((s, 1) if 0 <= s < c else (0, 0) for s in columns)
 
 
 def _outside_graph_pools(make: Callable[[], torch.Tensor]) -> torch.Tensor:

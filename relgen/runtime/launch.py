@@ -84,7 +84,8 @@ class Launcher:
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+    def key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """The launch's key among the kept kernels, or None for a launch that takes Triton's path."""
         # integers by value: finer than Triton's classes (1, multiple of 16, width) and twice as fast to read; the
         # sizes and strides of a training loop or a benchmark repeat. An unspecialised one (a seed that changes
         # per call) by its width, as Triton tells it apart
@@ -93,7 +94,10 @@ class Launcher:
             if i < len(args) and type(args[i]) is int:
                 fingerprint[i] = _width(args[i])
         fingerprint = tuple(fingerprint)
-        key = (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
+        return (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+        key = self.key(args, kwargs)
         compiled = None
         if key is not None:
             with self._lock:
