@@ -18,8 +18,8 @@ also sdpa against eager, the size of a difference two correct implementations ha
 model that runs out of memory there is retried with gradient checkpointing (same values, recomputed). Every case
 that runs out of memory is recorded as "OOM". Where the memory goes: the tensors one forward saves for the
 backward, summed by the module that saved them (e.g. ``T5Attention/Dropout``: an attention dropout's [B, H, N, N]
-mask), next to the parameters, their gradients and AdamW's moments. Writes models.json and models.md (date, git commit, command line,
-versions, GPU) into --out.
+mask), next to the parameters, their gradients and AdamW's moments. Writes models.json and models.md (date, git
+commit, command line, versions, GPU) into --out.
 
     python benchmarks/models.py --models deberta,t5 --dtype bf16,fp16 --steps 10 --out DIR
     python benchmarks/models.py --smoke --dtype fp16,fp32 --out /tmp/models   # tiny sizes, runs on a CPU
