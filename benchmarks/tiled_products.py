@@ -11,7 +11,7 @@ the forward compares three ways (`METHODS`):
 
 * gather:  Y in registers, `tl.gather` along its columns (relgen's ablation `no_projections`);
 * scratch: Y stored to a small per-program buffer (it stays in L1/L2) and read back with row stride 2B + 1, so that
-  entry (a, b) sits at a·2B + (a − b + B − 1); one `tl.debug_barrier` between the store and the load;
+  entry (a, b) sits at a·2B + (a − b + B − 1); one barrier between the store and the load;
 * reuse:   as scratch, but tile t + 1's band overlaps tile t's by B − 1 rows: Y is two [B, B] blocks, the lower one
   new (rows r0 … r0 + B − 1), the upper one the previous tile's lower block. Each tile multiplies one [B, B] block,
   so the relation products cost one QKᵀ-sized product per tile instead of two; a ring of three blocks lets one
@@ -48,7 +48,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -58,9 +60,11 @@ METHODS = ("gather", "scratch", "reuse")
 BY_GATHER = tl.constexpr(0)
 BY_SCRATCH = tl.constexpr(1)
 BY_REUSE = tl.constexpr(2)
-#: persistent programs per SM (forward, dQ, dK/dV, dP); on the CPU a handful, so that tests run the work loop
-PROGRAMS_PER_SM = {"fwd": 2, "dq": 2, "dkdv": 2, "dp": 2}
+#: warps and pipeline stages of every launch (two stages keep the forward at two programs per SM)
+LAUNCH_OPTIONS = {"num_warps": 4, "num_stages": 2}
+#: programs of a persistent launch in the interpreter: a handful, so that tests run the work loop
 INTERPRETED_PROGRAMS = 3
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -83,12 +87,38 @@ def _store_tile(base, x, COLS: tl.constexpr):
 
 
 @triton.jit
+def _barrier():
+    """A CTA barrier (bar.sync) that returns 0, for the scratch reads to add to their addresses: the reads then
+    depend on it, and the loop stays one the software pipeliner takes (a tl.debug_barrier in the loop body keeps
+    it from pipelining the K, V and P loads). The interpreter runs programs one at a time and needs none."""
+    if INTERPRETED:
+        return 0
+    else:
+        return tl.inline_asm_elementwise(
+            "bar.sync 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _scratch_load(ptrs):
+    """fp32 entries of the scratch, loaded in PTX: Triton's software pipeliner only moves tl.load, so these stay
+    after the barrier whose result their addresses add (it would otherwise issue a load feeding a product's
+    operand iterations early, before the store it must see)."""
+    if INTERPRETED:
+        return tl.load(ptrs)
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.global.f32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
 def _skewed(band, BLOCK: tl.constexpr):
     """T[a, b] = Y[a, a − b + B − 1] of the [B, 2B] tile Y stored row-major at `band`: row a read with stride
     2B + 1, its B entries one contiguous (descending) run."""
     a = tl.arange(0, BLOCK)[:, None]
     b = tl.arange(0, BLOCK)[None, :]
-    return tl.load(band + a * (2 * BLOCK + 1) + (BLOCK - 1 - b))
+    return _scratch_load(band + a * (2 * BLOCK + 1) + (BLOCK - 1 - b))
 
 
 @triton.jit
@@ -96,7 +126,7 @@ def _skewed_pair(lower, upper, BLOCK: tl.constexpr):
     """_skewed of Y = [lower | upper], two [B, B] blocks stored apart (the reuse ring)."""
     a = tl.arange(0, BLOCK)[:, None]
     c = a - tl.arange(0, BLOCK)[None, :] + BLOCK - 1
-    return tl.load(tl.where(c < BLOCK, lower + a * BLOCK + c, upper + a * BLOCK + (c - BLOCK)))
+    return _scratch_load(tl.where(c < BLOCK, lower + a * BLOCK + c, upper + a * BLOCK + (c - BLOCK)))
 
 
 @triton.jit
@@ -114,8 +144,9 @@ def _unskewed_block(older, newer, OLDER, NEWER, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _relation_tile(q, P_h, r0, R, scratch, t, D: tl.constexpr, BLOCK: tl.constexpr, SKEW: tl.constexpr,
-                   PREC: tl.constexpr):
+def _relation_tile(
+    q, P_h, r0, R, scratch, t, D: tl.constexpr, BLOCK: tl.constexpr, SKEW: tl.constexpr, PREC: tl.constexpr
+):
     """q_(i0+a)·p_(i0+a−j0−b) of tile t ([B, B], fp32): the band product Y = q·P[r0 : r0 + 2B]ᵀ, skewed."""
     a = tl.arange(0, BLOCK)
     if SKEW == BY_REUSE:
@@ -123,8 +154,8 @@ def _relation_tile(q, P_h, r0, R, scratch, t, D: tl.constexpr, BLOCK: tl.constex
         y = tl.dot(q, tl.trans(_rows(P_h, r0 + a, R, D)), input_precision=PREC)
         lower = scratch + (t % 3) * (BLOCK * BLOCK)
         _store_tile(lower, y, BLOCK)
-        tl.debug_barrier()  # other threads read these entries
-        return _skewed_pair(lower, scratch + ((t + 2) % 3) * (BLOCK * BLOCK), BLOCK)
+        z = _barrier()  # other threads read these entries
+        return _skewed_pair(lower + z, scratch + ((t + 2) % 3) * (BLOCK * BLOCK) + z, BLOCK)
     else:
         y = tl.dot(q, tl.trans(_rows(P_h, r0 + tl.arange(0, 2 * BLOCK), R, D)), input_precision=PREC)
         if SKEW == BY_GATHER:
@@ -132,8 +163,7 @@ def _relation_tile(q, P_h, r0, R, scratch, t, D: tl.constexpr, BLOCK: tl.constex
         else:
             band = scratch + (t % 2) * (2 * BLOCK * BLOCK)  # two slots: one barrier per tile orders them
             _store_tile(band, y, 2 * BLOCK)
-            tl.debug_barrier()
-            return _skewed(band, BLOCK)
+            return _skewed(band + _barrier(), BLOCK)
 
 
 @triton.jit
@@ -149,8 +179,23 @@ def _pair_mask(offs_m, offs_n, N, CAUSAL: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, P, O, LSE, SCRATCH, N, R, BH, H, qk_scale,
-    D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, SKEW: tl.constexpr, PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    P,
+    OUT,
+    LSE,
+    SCRATCH,
+    N,
+    R,
+    BH,
+    H,
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SKEW: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Persistent: program pid takes the work items pid, pid + programs, …; item = (query block, bh), the
     causal heaviest blocks first. LSE is the base-2 log-sum-exp of the scores in log2 units."""
@@ -167,10 +212,7 @@ def _fwd_kernel(
         base = bh.to(tl.int64) * N * D
         P_h = P + (bh % H).to(tl.int64) * R * D
         q = _rows(Q + base, offs_m, N, D)
-        if CAUSAL:
-            n_keys = blk + 1
-        else:
-            n_keys = n_blocks
+        n_keys = blk + 1 if CAUSAL else n_blocks
         tl.debug_barrier()  # the previous item's reads of the scratch are done
         if SKEW == BY_REUSE:
             # tile 0's upper half (its rows r0 + B …, r0 = i0 + N − B), as if a tile −1 had left it in the ring
@@ -194,8 +236,11 @@ def _fwd_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         row_ok = offs_m < N
-        tl.store(O + base + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
+        tl.store(
+            OUT + base + offs_m[:, None] * D + offs_d[None, :],
+            (acc / l_i[:, None]).to(OUT.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
         tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
@@ -203,12 +248,12 @@ def _fwd_kernel(
 # backward
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, N, D: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_preprocess(OUT, DO, DELTA, N, D: tl.constexpr, BLOCK: tl.constexpr):
     """Δ_i = Σ_d dO_id·O_id (fp32), FlashAttention's D."""
     blk, bh = tl.program_id(0), tl.program_id(1)
     offs_m = blk * BLOCK + tl.arange(0, BLOCK)
     base = bh.to(tl.int64) * N * D
-    o = _rows(O + base, offs_m, N, D).to(tl.float32)
+    o = _rows(OUT + base, offs_m, N, D).to(tl.float32)
     do = _rows(DO + base, offs_m, N, D).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
 
@@ -231,8 +276,25 @@ def _score_grad(s, keep, lse, delta, dp):
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, P, DO, LSE, DELTA, DQ, SCRATCH, N, R, BH, H, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    P,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    SCRATCH,
+    N,
+    R,
+    BH,
+    H,
+    qk_scale,
+    sm_scale,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dQ = τ·(dS·K + Σ_m G_m·P_m), G_m the band blocks of dS (the inverse skew). The scratch holds two rings of
     two [B, B] slots: Y's blocks (fp32) and dS tiles (in the inputs' dtype, as the products read them); two
@@ -253,10 +315,7 @@ def _bwd_dq_kernel(
         q = _rows(Q + base, offs_m, N, D)
         do = _rows(DO + base, offs_m, N, D)
         lse, delta = _row_stats(LSE, DELTA, bh, offs_m, N)
-        if CAUSAL:
-            n_keys = blk + 1
-        else:
-            n_keys = n_blocks
+        n_keys = blk + 1 if CAUSAL else n_blocks
         tl.debug_barrier()
         p_prev = _rows(P_h, i0 + N + a, R, D)  # tile 0's upper block, which no earlier tile's lower one is
         y = tl.dot(q, tl.trans(p_prev), input_precision=PREC)
@@ -271,8 +330,8 @@ def _bwd_dq_kernel(
             y = tl.dot(q, tl.trans(p_lo), input_precision=PREC)
             lower = y_ring + (t % 2) * (BLOCK * BLOCK)
             _store_tile(lower, y, BLOCK)
-            tl.debug_barrier()
-            rel = _skewed_pair(lower, y_ring + ((t + 1) % 2) * (BLOCK * BLOCK), BLOCK)
+            z = _barrier()
+            rel = _skewed_pair(lower + z, y_ring + ((t + 1) % 2) * (BLOCK * BLOCK) + z, BLOCK)
             s = tl.dot(q, tl.trans(k), rel, input_precision=PREC) * qk_scale
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             _p, ds = _score_grad(s, _pair_mask(offs_m, offs_n, N, CAUSAL), lse, delta, dp)
@@ -280,22 +339,43 @@ def _bwd_dq_kernel(
             dq = tl.dot(ds, k, dq, input_precision=PREC)
             newer = ds_ring + (t % 2) * (BLOCK * BLOCK)
             _store_tile(newer, ds, BLOCK)
-            tl.debug_barrier()
+            z = _barrier()
             # the band block below this tile's upper half is complete: tile t − 1's triangle and this one's
-            g = _unskewed_block(ds_ring + ((t + 1) % 2) * (BLOCK * BLOCK), newer, t > 0, True, BLOCK)
+            g = _unskewed_block(ds_ring + ((t + 1) % 2) * (BLOCK * BLOCK) + z, newer + z, t > 0, True, BLOCK)
             dq = tl.dot(g.to(k.dtype), p_prev, dq, input_precision=PREC)
             p_prev = p_lo
         # the last tile's lower block has no later tile
         g = _unskewed_block(ds_ring + ((n_keys + 1) % 2) * (BLOCK * BLOCK), ds_ring, True, False, BLOCK)
         dq = tl.dot(g.to(q.dtype), p_prev, dq, input_precision=PREC)
-        tl.store(DQ + base + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=(offs_m < N)[:, None])
+        tl.store(
+            DQ + base + offs_m[:, None] * D + offs_d[None, :],
+            (dq * sm_scale).to(DQ.dtype.element_ty),
+            mask=(offs_m < N)[:, None],
+        )
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, P, DO, LSE, DELTA, DK, DV, SCRATCH, N, R, BH, H, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    P,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    SCRATCH,
+    N,
+    R,
+    BH,
+    H,
+    qk_scale,
+    sm_scale,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dK = τ·dSᵀ·Q, dV = Aᵀ·dO over the query tiles of a key block; work items key blocks, causal lightest last."""
     pid = tl.program_id(0)
@@ -312,10 +392,7 @@ def _bwd_dkdv_kernel(
         P_h = P + (bh % H).to(tl.int64) * R * D
         k = _rows(K + base, offs_n, N, D)
         v = _rows(V + base, offs_n, N, D)
-        if CAUSAL:
-            first = blk
-        else:
-            first = 0
+        first = blk if CAUSAL else 0
         tl.debug_barrier()
         dk = tl.zeros([BLOCK, D], tl.float32)
         dv = tl.zeros([BLOCK, D], tl.float32)
@@ -332,15 +409,33 @@ def _bwd_dkdv_kernel(
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
         col_ok = (offs_n < N)[:, None]
-        tl.store(DK + base + offs_n[:, None] * D + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-                 mask=col_ok)
+        tl.store(
+            DK + base + offs_n[:, None] * D + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok
+        )
         tl.store(DV + base + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def _bwd_dp_kernel(
-    Q, K, V, P, DO, LSE, DELTA, DP, SCRATCH, N, R, BATCH, H, qk_scale, sm_scale,
-    D: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    Q,
+    K,
+    V,
+    P,
+    DO,
+    LSE,
+    DELTA,
+    DP,
+    SCRATCH,
+    N,
+    R,
+    BATCH,
+    H,
+    qk_scale,
+    sm_scale,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """dP_δ = τ·Σ_b Σ_i dS_(i, i−δ)·q_i for the B rows δ0 … δ0 + B − 1 of a work item (row block, head).
 
@@ -383,9 +478,9 @@ def _bwd_dp_kernel(
             slot = scratch + (step % 2) * (4 * BLOCK * BLOCK)
             _store_tile(slot, x, 2 * BLOCK)
             _store_tile(slot + 2 * BLOCK * BLOCK, z, 2 * BLOCK)
-            tl.debug_barrier()
-            qk = _skewed(slot, BLOCK)
-            dp = _skewed(slot + 2 * BLOCK * BLOCK, BLOCK)
+            z = _barrier()
+            qk = _skewed(slot + z, BLOCK)
+            dp = _skewed(slot + 2 * BLOCK * BLOCK + z, BLOCK)
             s = tl.dot(q, tl.trans(p_block), qk, input_precision=PREC) * qk_scale
             keys = offs_m[:, None] - offs_c[None, :]
             keep = (offs_m < N)[:, None] & (keys >= 0) & (keys < N) & (rows < R)[None, :]
@@ -393,8 +488,11 @@ def _bwd_dp_kernel(
                 keep = keep & (offs_c >= 0)[None, :]
             _p, ds = _score_grad(s, keep, lse, delta, dp)
             dpb = tl.dot(tl.trans(ds.to(q.dtype)), q, dpb, input_precision=PREC)
-        tl.store(DP + h.to(tl.int64) * R * D + rows[:, None] * D + offs_d[None, :],
-                 (dpb * sm_scale).to(DP.dtype.element_ty), mask=(rows < R)[:, None])
+        tl.store(
+            DP + h.to(tl.int64) * R * D + rows[:, None] * D + offs_d[None, :],
+            (dpb * sm_scale).to(DP.dtype.element_ty),
+            mask=(rows < R)[:, None],
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -411,11 +509,30 @@ def default_block(dtype: torch.dtype) -> int:
     return 64 if dtype != torch.float32 else 32
 
 
-def _programs(work: int, kernel: str, device: torch.device) -> int:
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _persistent(kernel, work: int, head: tuple, tail: tuple, scratch_floats: int, constexprs: dict) -> None:
+    """Launches kernel(*head, scratch, *tail) with as many programs as the GPU holds at once (at most `work`; a
+    persistent program that waited for a free SM would start its whole list of work items late), each with
+    `scratch_floats` fp32 of scratch."""
+    device = head[0].device
     if device.type != "cuda":
-        return max(1, min(work, INTERPRETED_PROGRAMS))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(work, sms * PROGRAMS_PER_SM[kernel]))
+        programs = max(1, min(work, INTERPRETED_PROGRAMS))
+    else:
+        key = (kernel.fn.__name__, head[0].dtype, *sorted(constexprs.items()))
+        if key not in _RESIDENT:
+            probe = torch.empty(4, device=device, dtype=torch.float32)
+            compiled = kernel.warmup(*head, probe, *tail, grid=(1,), **constexprs, **LAUNCH_OPTIONS)
+            compiled._init_handles()  # loads the binary, which fills n_regs
+            props = torch.cuda.get_device_properties(device)
+            threads = 32 * LAUNCH_OPTIONS["num_warps"]
+            by_regs = 65536 // max(1, compiled.n_regs * threads)
+            by_shared = props.shared_memory_per_multiprocessor // max(1, compiled.metadata.shared + 1024)
+            _RESIDENT[key] = props.multi_processor_count * max(1, min(by_regs, by_shared, 2048 // threads))
+        programs = max(1, min(work, _RESIDENT[key]))
+    scratch = torch.empty(programs * scratch_floats, device=device, dtype=torch.float32)
+    kernel[(programs,)](*head, scratch, *tail, **constexprs, **LAUNCH_OPTIONS)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -426,8 +543,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torc
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must share one shape [B, H, N, d], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must share one shape [B, H, N, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     _b, h, n, d = q.shape
     if table.shape != (h, 2 * n - 1, d):
         raise ValueError(f"table must be [H, 2N - 1, d] = {(h, 2 * n - 1, d)}, got {tuple(table.shape)}")
@@ -442,12 +560,14 @@ def forward(q, k, v, table, causal: bool, scale: float, method: str, block: int)
     b, h, n, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((b * h, n), device=q.device, dtype=torch.float32)
-    work = triton.cdiv(n, block) * b * h
-    programs = _programs(work, "fwd", q.device)
-    scratch = torch.empty(programs * 4 * block * block, device=q.device, dtype=torch.float32)
-    _fwd_kernel[(programs,)](
-        q, k, v, table, o, lse, scratch, n, 2 * n - 1, b * h, h, scale * math.log2(math.e),
-        D=d, BLOCK=block, CAUSAL=causal, SKEW=METHODS.index(method), PREC=_precision(q.dtype),
+    constexprs = {"D": d, "BLOCK": block, "CAUSAL": causal, "SKEW": METHODS.index(method), "PREC": _precision(q.dtype)}
+    _persistent(
+        _fwd_kernel,
+        triton.cdiv(n, block) * b * h,
+        (q, k, v, table, o, lse),
+        (n, 2 * n - 1, b * h, h, scale * math.log2(math.e)),
+        4 * block * block,
+        constexprs,
     )
     return o, lse
 
@@ -458,24 +578,23 @@ def backward(q, k, v, table, o, lse, do, causal: bool, scale: float, block: int)
     r = 2 * n - 1
     do = do.contiguous()
     delta = torch.empty_like(lse)
-    _bwd_preprocess[(triton.cdiv(n, block), b * h)](o, do, delta, n, D=d, BLOCK=block)
+    _bwd_preprocess[(triton.cdiv(n, block), b * h)](o, do, delta, n, D=d, BLOCK=block, **LAUNCH_OPTIONS)
     dq, dk, dv, dtable = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
-    args = (n, r)
-    qk_scale, prec = scale * math.log2(math.e), _precision(q.dtype)
-    work = triton.cdiv(n, block) * b * h
-    programs = _programs(work, "dq", q.device)
-    scratch = torch.empty(programs * 4 * block * block, device=q.device, dtype=torch.float32)
-    _bwd_dq_kernel[(programs,)](q, k, v, table, do, lse, delta, dq, scratch, *args, b * h, h, qk_scale, scale,
-                                D=d, BLOCK=block, CAUSAL=causal, PREC=prec)
-    programs = _programs(work, "dkdv", q.device)
-    scratch = torch.empty(programs * 4 * block * block, device=q.device, dtype=torch.float32)
-    _bwd_dkdv_kernel[(programs,)](q, k, v, table, do, lse, delta, dk, dv, scratch, *args, b * h, h, qk_scale,
-                                  scale, D=d, BLOCK=block, CAUSAL=causal, PREC=prec)
-    work = triton.cdiv(r, block) * h
-    programs = _programs(work, "dp", q.device)
-    scratch = torch.empty(programs * 8 * block * block, device=q.device, dtype=torch.float32)
-    _bwd_dp_kernel[(programs,)](q, k, v, table, do, lse, delta, dtable, scratch, *args, b, h, qk_scale, scale,
-                                D=d, BLOCK=block, CAUSAL=causal, PREC=prec)
+    qk_scale = scale * math.log2(math.e)
+    constexprs = {"D": d, "BLOCK": block, "CAUSAL": causal, "PREC": _precision(q.dtype)}
+    inputs = (q, k, v, table, do, lse, delta)
+    rows = triton.cdiv(n, block) * b * h
+    tail = (n, r, b * h, h, qk_scale, scale)
+    _persistent(_bwd_dq_kernel, rows, (*inputs, dq), tail, 4 * block * block, constexprs)
+    _persistent(_bwd_dkdv_kernel, rows, (*inputs, dk, dv), tail, 4 * block * block, constexprs)
+    _persistent(
+        _bwd_dp_kernel,
+        triton.cdiv(r, block) * h,
+        (*inputs, dtable),
+        (n, r, b, h, qk_scale, scale),
+        8 * block * block,
+        constexprs,
+    )
     return dq, dk, dv, dtable
 
 
@@ -516,8 +635,9 @@ def attention_lse(q, k, v, table, causal=False, scale=None, method="reuse", bloc
     """(O, LSE) of the forward alone, LSE the natural log-sum-exp of the scores S (for tests)."""
     _check_inputs(q, k, v, table, method)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    o, lse2 = forward(*(t.contiguous() for t in (q, k, v, table)), causal, scale, method,
-                      block or default_block(q.dtype))
+    o, lse2 = forward(
+        *(t.contiguous() for t in (q, k, v, table)), causal, scale, method, block or default_block(q.dtype)
+    )
     return o, (lse2 * math.log(2.0)).view(q.shape[:3])
 
 
@@ -542,3 +662,258 @@ def credited_flops(b: int, h: int, n: int, d: int, causal: bool, pass_: str) -> 
     that; causal half."""
     forward_flops = 4 * b * h * n * n * d + 2 * b * h * n * (2 * n - 1) * d
     return forward_flops * (2 if pass_ == "bwd" else 1) * (0.5 if causal else 1.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --compile-check: every kernel for a GPU target, without a GPU
+# ------------------------------------------------------------------------------------------------------------
+def _kernel_variants(dtype: str, block: int, d: int = 64):
+    """(label, kernel, signature, constexprs) of every kernel a call in `dtype` launches."""
+    ptr, f32 = f"*{dtype}", "*fp32"
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    ints = {"N": "i32", "R": "i32", "BH": "i32", "H": "i32", "qk_scale": "fp32"}
+    common = {"D": d, "BLOCK": block, "PREC": prec}
+    for causal in (False, True):
+        tag = "causal" if causal else "full"
+        for method in METHODS:
+            sig = {n: ptr for n in ("Q", "K", "V", "P", "OUT")} | {"LSE": f32, "SCRATCH": f32} | ints
+            yield (f"fwd/{method}/{tag}", _fwd_kernel, sig, common | {"CAUSAL": causal, "SKEW": METHODS.index(method)})
+        bwd = {n: ptr for n in ("Q", "K", "V", "P", "DO")} | {"LSE": f32, "DELTA": f32}
+        yield (
+            f"dq/{tag}",
+            _bwd_dq_kernel,
+            bwd | {"DQ": ptr, "SCRATCH": f32} | ints | {"sm_scale": "fp32"},
+            common | {"CAUSAL": causal},
+        )
+        yield (
+            f"dkdv/{tag}",
+            _bwd_dkdv_kernel,
+            bwd | {"DK": ptr, "DV": ptr, "SCRATCH": f32} | ints | {"sm_scale": "fp32"},
+            common | {"CAUSAL": causal},
+        )
+        dp_ints = {"N": "i32", "R": "i32", "BATCH": "i32", "H": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        yield (f"dp/{tag}", _bwd_dp_kernel, bwd | {"DP": ptr, "SCRATCH": f32} | dp_ints, common | {"CAUSAL": causal})
+    yield ("preprocess", _bwd_preprocess, {"OUT": ptr, "DO": ptr, "DELTA": f32, "N": "i32"}, {"D": d, "BLOCK": block})
+
+
+def _ptxas(ptx: str, arch: int) -> str:
+    """Registers and spills by Triton's bundled ptxas -v."""
+    import re
+    from pathlib import Path
+
+    import triton.backends.nvidia as nvidia
+
+    ptxas = Path(nvidia.__file__).parent / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    done = subprocess.run(
+        [str(ptxas), f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, check=False
+    )
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    if regs is None:
+        return f"regs=? ({done.stderr.strip()[-200:]})"
+    return f"regs={regs.group(1):>3} spills={spills.group(1)}/{spills.group(2)}B" if spills else f"regs={regs.group(1)}"
+
+
+def compile_check(arch: int, dump: str | None) -> int:
+    """Compiles every kernel variant for sm_`arch`; prints shared memory, registers, spills, and how many of the
+    loop's loads the pipeliner made asynchronous (the scratch reads must not be among them: they follow a
+    barrier)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = 0
+    for dtype, block in (("fp16", 64), ("fp32", 32)):
+        for label, kernel, signature, constexprs in _kernel_variants(dtype, block):
+            names = [p.name for p in kernel.params]
+            sig = {n: signature.get(n, "constexpr") for n in names}
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+            src = ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+            try:
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=LAUNCH_OPTIONS)
+            except Exception as err:  # report every kernel, not the first failure only
+                failures += 1
+                print(f"FAIL {dtype} {label}: {type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}")
+                continue
+            ttgir = compiled.asm["ttgir"]
+            asynchronous = ttgir.count("ttg.async_copy_global_to_local")
+            print(
+                f"ok   {dtype} B={block:<3} {label:22s} shared={compiled.metadata.shared:6d}B "
+                f"{_ptxas(compiled.asm['ptx'], arch)} async_loads={asynchronous}"
+            )
+            if dump:
+                with open(os.path.join(dump, f"{dtype}_{label.replace('/', '_')}.ttgir"), "w") as f:
+                    f.write(ttgir)
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --check and --bench (GPU)
+# ------------------------------------------------------------------------------------------------------------
+def _inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen, device=device, dtype=dtype) for _ in range(3))
+    table = torch.randn(h, 2 * n - 1, d, generator=gen, device=device, dtype=dtype)
+    do = torch.randn(b, h, n, d, generator=gen, device=device, dtype=dtype)
+    return q, k, v, table, do
+
+
+def _errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(max |a − e|, relative ℓ2) in float64."""
+    a, e = actual.double(), expected.double()
+    return (a - e).abs().max().item(), ((a - e).norm() / e.norm().clamp_min(1e-300)).item()
+
+
+#: relative ℓ2 allowed (relgen.testing: eight rounding units for fp16, 2e-5 for fp32)
+REL_L2 = {torch.float16: 8 * 2.0**-10, torch.float32: 2e-5}
+
+
+def check(device: str, sizes: tuple[int, ...] = (64, 200, 1000)) -> bool:
+    """Every method's output and LSE, and the gradients, against the float64 reference; two backwards bitwise
+    equal. Prints one line per case; returns whether every case passed."""
+    ok = True
+    names = ("o", "lse", "dq", "dk", "dv", "dP")
+    for dtype in (torch.float16, torch.float32):
+        for causal in (False, True):
+            for n in sizes:
+                q, k, v, table, do = _inputs(1, 2, n, 64, dtype, device)
+                leaves = [t.double().requires_grad_() for t in (q, k, v, table)]
+                ref_o, ref_lse = reference(*leaves, causal)
+                expected = [ref_o, ref_lse, *torch.autograd.grad(ref_o, leaves, do.double())]
+                for method in METHODS:
+                    o, lse = attention_lse(q, k, v, table, causal, method=method)
+                    got = [o, lse]
+                    if method == "reuse":  # the backward does not depend on the forward's skew
+                        mine = [t.clone().requires_grad_() for t in (q, k, v, table)]
+                        out = attention(*mine, causal, method=method)
+                        grads = torch.autograd.grad(out, mine, do)
+                        again = torch.autograd.grad(attention(*mine, causal, method=method), mine, do)
+                        same = all(torch.equal(x, y) for x, y in zip(grads, again, strict=True))
+                        got += list(grads)
+                    parts, passed = [], True
+                    for name, a, e in zip(names, got, expected, strict=False):
+                        _err, rel = _errors(a, e)
+                        passed &= bool(torch.isfinite(a).all()) and rel <= REL_L2[dtype]
+                        parts.append(f"{name} {rel:.1e}")
+                    if method == "reuse":
+                        parts.append(f"bitwise-deterministic={same}")
+                        passed &= same
+                    ok &= passed
+                    print(
+                        f"{'ok  ' if passed else 'FAIL'} {str(dtype)[6:]:8s} causal={causal!s:5s} N={n:<5d} "
+                        f"{method:8s} rel-l2: " + " ".join(parts),
+                        flush=True,
+                    )
+    return ok
+
+
+def _timed(fn, rep_ms: int) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def _peak(fn) -> float:
+    """MiB allocated at the peak of fn() beyond what was allocated before."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _bench_length(n: int, b: int, h: int, d: int, causal: bool, rep_ms: int) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, table, do = _inputs(b, h, n, d, torch.float16, "cuda")
+    f_fwd, f_bwd = (credited_flops(b, h, n, d, causal, p) for p in ("fwd", "bwd"))
+
+    def line(system: str, fwd_ms: float, fwd_peak: float, bwd: tuple[float, float] | None, note: str) -> None:
+        row = f"{n:>7} {system:10s} {fwd_ms:9.3f} {f_fwd / fwd_ms / 1e9:8.1f} "
+        if bwd is None:
+            row += f"{'':9s} {'':8s} {fwd_peak:9.1f} {'':9s}"
+        else:
+            row += f"{bwd[0]:9.3f} {f_bwd / bwd[0] / 1e9:8.1f} {fwd_peak:9.1f} {bwd[1]:9.1f}"
+        print(f"{row}  {note}", flush=True)
+
+    def backward_of(call, leaves: list[torch.Tensor]) -> tuple[float, float]:
+        """(ms, peak MiB) of the backward alone, and of forward + backward's peak."""
+        out = call(*leaves)
+        ms = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), rep_ms)
+        out = None  # the backward's peak below is its own graph's
+        return ms, _peak(lambda: torch.autograd.grad(call(*leaves), leaves, do))
+
+    with torch.no_grad():
+        base = attention(q, k, v, table, causal, method="reuse")
+    for method in METHODS:
+
+        def call(*xs, method=method):
+            return attention(*xs, causal, method=method)
+
+        with torch.no_grad():
+            fwd_ms = _timed(lambda: call(q, k, v, table), rep_ms)
+            fwd_peak = _peak(lambda: call(q, k, v, table))
+            diff = (call(q, k, v, table) - base).abs().max().item()
+        # one backward for all methods: it does not depend on the forward's skew
+        bwd = backward_of(call, [t.clone().requires_grad_() for t in (q, k, v, table)]) if method == "reuse" else None
+        line(method, fwd_ms, fwd_peak, bwd, f"max |O − O_reuse| = {diff:.2e}")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+
+        def sdpa(*xs):
+            return torch.nn.functional.scaled_dot_product_attention(*xs, is_causal=causal)
+
+        with torch.no_grad():
+            fwd_ms = _timed(lambda: sdpa(q, k, v), rep_ms)
+            fwd_peak = _peak(lambda: sdpa(q, k, v))
+        bwd = backward_of(sdpa, [t.clone().requires_grad_() for t in (q, k, v)])
+    line("sdpa-flash", fwd_ms, fwd_peak, bwd, "(no relation term; credited the same FLOPs)")
+
+
+def bench(seq_lens: list[int], b: int, h: int, d: int, causal: bool, rep_ms: int) -> None:
+    print(
+        f"B={b} H={h} d={d} fp16 causal={causal}; credited FLOPs: forward 4BHN²d + 2BHN(2N−1)d, backward twice"
+        f" that{', both halved (causal)' if causal else ''}. Peak: MiB allocated beyond the inputs (q, k, v, P, dO);"
+        " the backward's peak is that of forward + backward."
+    )
+    print(
+        f"{'N':>7} {'system':10s} {'fwd ms':>9} {'TFLOP/s':>8} {'bwd ms':>9} {'TFLOP/s':>8} {'fwd peak':>9} "
+        f"{'bwd peak':>9}"
+    )
+    for n in seq_lens:
+        _bench_length(n, b, h, d, causal, rep_ms)
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="small-N exactness against float64 (GPU or CPU)")
+    parser.add_argument("--bench", action="store_true", help="time every method against SDPA (GPU)")
+    parser.add_argument("--compile-check", action="store_true", help="compile every kernel for --arch, no GPU")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dump-ttgir", default=None, metavar="DIR", help="with --compile-check: write each TTGIR")
+    parser.add_argument("--seq-lens", default="8192,32768")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--rep-ms", type=int, default=60, help="do_bench's rep (ms) per measurement")
+    args = parser.parse_args()
+    if args.compile_check:
+        if _interpreted():  # compile for real: the kernels must be JIT functions, not interpreted ones
+            env = {**os.environ, "TRITON_INTERPRET": "0"}
+            return subprocess.run([sys.executable, *sys.argv], env=env, check=False).returncode
+        return 1 if compile_check(args.arch, args.dump_ttgir) else 0
+    status = 0
+    if args.check:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        status |= 0 if check(device, (64, 200, 1000) if device == "cuda" else (48, 67)) else 1
+    if args.bench:
+        bench(
+            [int(x) for x in args.seq_lens.split(",")], args.batch, args.heads, args.head_dim, args.causal, args.rep_ms
+        )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
