@@ -132,15 +132,14 @@ def _skewed_pair(lower, upper, BLOCK: tl.constexpr):
 @triton.jit
 def _unskewed_block(older, newer, OLDER, NEWER, BLOCK: tl.constexpr):
     """The inverse skew of one band block: G[a, c] = Σ_b [c = a − b + B − 1] dS[a, b] over the two tiles that reach
-    it, whose dS [B, B] are stored row-major at `older` (tile t, columns c ≥ a) and `newer` (tile t + 1, c < a).
-    The two triangles are complementary, so each entry is one load, never a sum. OLDER / NEWER: whether that tile
-    exists (the loop's first and last blocks have one tile only)."""
+    it, whose dS [B, B] (fp32) are stored row-major at `older` (tile t, columns c ≥ a) and `newer` (tile t + 1,
+    c < a). The two triangles are complementary, so each entry is one load, never a sum. OLDER / NEWER: whether
+    that tile exists (the loop's first and last blocks have one tile only); a missing one's entries are 0."""
     a = tl.arange(0, BLOCK)[:, None]
     c = tl.arange(0, BLOCK)[None, :]
     upper = c >= a
-    from_older = tl.load(older + a * BLOCK + (a - c + BLOCK - 1), mask=upper & OLDER, other=0.0)
-    from_newer = tl.load(newer + a * BLOCK + (a - c - 1), mask=(c < a) & NEWER, other=0.0)
-    return from_older + from_newer
+    x = _scratch_load(tl.where(upper, older + a * BLOCK + (a - c + BLOCK - 1), newer + a * BLOCK + (a - c - 1)))
+    return tl.where(tl.where(upper, OLDER, NEWER), x, 0.0)
 
 
 @triton.jit
@@ -297,12 +296,12 @@ def _bwd_dq_kernel(
     PREC: tl.constexpr,
 ):
     """dQ = τ·(dS·K + Σ_m G_m·P_m), G_m the band blocks of dS (the inverse skew). The scratch holds two rings of
-    two [B, B] slots: Y's blocks (fp32) and dS tiles (in the inputs' dtype, as the products read them); two
+    two [B, B] slots: Y's blocks and dS tiles (fp32, holding dS as rounded for the products); two
     barriers per tile order them."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK)
     y_ring = SCRATCH + pid.to(tl.int64) * (4 * BLOCK * BLOCK)
-    ds_ring = (y_ring + 2 * BLOCK * BLOCK).to(tl.pointer_type(Q.dtype.element_ty))
+    ds_ring = y_ring + 2 * BLOCK * BLOCK
     a = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, D)
     for work in range(pid, n_blocks * BH, tl.num_programs(0)):
@@ -338,7 +337,7 @@ def _bwd_dq_kernel(
             ds = ds.to(k.dtype)
             dq = tl.dot(ds, k, dq, input_precision=PREC)
             newer = ds_ring + (t % 2) * (BLOCK * BLOCK)
-            _store_tile(newer, ds, BLOCK)
+            _store_tile(newer, ds.to(tl.float32), BLOCK)  # exactly the rounded dS the products read
             z = _barrier()
             # the band block below this tile's upper half is complete: tile t − 1's triangle and this one's
             g = _unskewed_block(ds_ring + ((t + 1) % 2) * (BLOCK * BLOCK) + z, newer + z, t > 0, True, BLOCK)
