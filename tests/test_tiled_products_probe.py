@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import SLOW, slow_values
 
 from relgen.testing import assert_close
 
@@ -44,16 +45,14 @@ def inputs(b, h, n, d, dtype, seed=0):
 
 # N not a multiple of the tile (16 in the interpreter), one tile, several; fp16 and fp32; B·H = 4 with B = 2 so
 # that the table gradient sums over the batch
-CASES = [
-    (16, torch.float32),
-    (37, torch.float32),
-    (64, torch.float32),
-    pytest.param(130, torch.float32, marks=pytest.mark.slow),
-    (67, torch.float16),
-]
+CASES = slow_values(
+    [(16, torch.float32), (37, torch.float32), (64, torch.float32), (130, torch.float32), (67, torch.float16)],
+    fast=[(16, torch.float32), (67, torch.float16)],
+)
+CAUSAL = slow_values([False, True], slow=[True])
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize(("n", "dtype"), CASES, ids=["N16-fp32", "N37-fp32", "N64-fp32", "N130-fp32", "N67-fp16"])
 def test_forward_every_method(n, dtype, causal):
     q, k, v, table, _ = inputs(2, 2, n, 16, dtype)
@@ -64,7 +63,7 @@ def test_forward_every_method(n, dtype, causal):
         assert_close(lse, lse_ref, dtype, f"{method} LSE")
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", CAUSAL, ids=["full", "causal"])
 @pytest.mark.parametrize(("n", "dtype"), CASES, ids=["N16-fp32", "N37-fp32", "N64-fp32", "N130-fp32", "N67-fp16"])
 def test_gradients(n, dtype, causal):
     q, k, v, table, do = inputs(2, 2, n, 16, dtype, seed=1)
@@ -78,7 +77,7 @@ def test_gradients(n, dtype, causal):
         assert_close(a, e, dtype, name)
 
 
-@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("block", slow_values([16, 32], slow=[32]))
 def test_backward_is_bitwise_deterministic(block):
     """Two backwards of one output: every gradient entry bitwise equal (one writer each, fixed loop orders)."""
     q, k, v, table, do = inputs(2, 1, 40, 16, torch.float16, seed=2)
@@ -90,6 +89,7 @@ def test_backward_is_bitwise_deterministic(block):
         assert torch.equal(a, b)
 
 
+@SLOW
 def test_larger_tile_matches_oracle():
     """Tiles of 32 (the GPU's fp32 tile) on a length that leaves a partial tile."""
     q, k, v, table, do = inputs(1, 2, 45, 16, torch.float32, seed=3)
