@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import torch
+
+#: held wherever relgen converts Python syntax trees (codegen's normal form of τ) and by every launch in Triton's
+#: interpreter (which parses and compiles its kernels' trees on their first run): CPython 3.11 counts the
+#: converter's recursion in process-wide state, so two threads converting at once can fail with "SystemError: AST
+#: constructor recursion depth mismatch"
+SYNTAX_TREES = threading.RLock()
 
 
 def interpreting() -> bool:

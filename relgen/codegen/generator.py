@@ -28,6 +28,7 @@ import jinja2.nodes
 import numpy as np
 
 from relgen import __version__
+from relgen.backend import SYNTAX_TREES
 from relgen.plan.analyze import Path as GradientPath
 from relgen.plan.analyze import Plan, Projections, Relations, analyze
 from relgen.spec.expr import parse_expression
@@ -106,7 +107,8 @@ def _scale_literal(text: object) -> Source:
             f"plan.scale: expected an expression of 1 to {MAX_SCALE_LENGTH} characters, got {_shown(text)}"
         )
     try:
-        canonical = ast.unparse(ast.parse(text.strip(), mode="eval"))
+        with SYNTAX_TREES:
+            canonical = ast.unparse(ast.parse(text.strip(), mode="eval"))
         same = parse_expression(canonical, ("d",)) == parse_expression(text, ("d",))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as err:
         raise ValueError(f"plan.scale: not an expression in d ({type(err).__name__}), got {_shown(text)}") from None

@@ -29,13 +29,16 @@ from typing import Any
 
 import torch
 
+from relgen.backend import SYNTAX_TREES
+
 #: fingerprint of an argument Launcher does not know: the launch takes Triton's own path
 _UNKNOWN = object()
 
 #: launch kinds kept per kernel (least recently used first out): calls of one shape repeat the same few
 CAPACITY = 64
-#: held by every launch in Triton's interpreter (see the module's docstring)
-_INTERPRETER_LOCK = threading.Lock()
+#: held by every launch in Triton's interpreter (see the module's docstring), which also rewrites its kernels'
+#: syntax trees there
+_INTERPRETER_LOCK = SYNTAX_TREES
 
 
 def _width(value: int) -> str:
