@@ -311,9 +311,9 @@ class Geometry:
         built once per (C, R, low), not per call (2L − 1 rows: ~20 ms of Python per call at 32K)."""
         if self.plan.path == "atomic":
             return None
-        beta = self.plan.copy_map
-        if (beta == "reversed" and not self.plan.windowed_identity) or self.plan.windowed_identity:
-            return _length_dependent_fold(beta == "reversed", self.plan.windowed_identity, self.c, self.rows, self.low)
+        reversed_map, windowed = self.plan.copy_map == "reversed", self.plan.windowed_identity
+        if reversed_map or windowed:
+            return _length_dependent_fold(reversed_map, windowed, self.c, self.rows, self.low)
         return self.plan.fold
 
     @property
