@@ -2,14 +2,15 @@
 
 python benchmarks/context_parallel.py [--world-sizes 1,2,4,8] [--seq-lens 32k,64k,128k,256k]
     [--specs shaw,t5_decoder] [--shardings auto] [--heads 8] [--head-dim 64] [--dtype bf16] [--dropout 0.0]
-    [--warmup 2] [--reps 5] [--out DIR]
+    [--warmup 2] [--reps 5] [--rounds 3] [--out DIR]
 python benchmarks/context_parallel.py --smoke [--out DIR]   # CPU, gloo, Triton's interpreter, tiny shapes
 
 Each world size runs in a group of processes of its own (one GPU per rank, spawned; the rings of one, two, …
 GPUs use GPUs 0, 1, …). Every rank holds its shard of q, k, v ([1, H, N/P, d], random) and the gathered call's
 tables, as a model would. A reading is the median over --reps of the slowest rank's time, the ranks lined up
 by a barrier before each call: the forward alone, and a step (forward and backward). On one GPU the plain call
-on the whole sequence is timed beside the ring of one: the ratio is the ring's own overhead. Peak memory is the
+on the whole sequence is timed beside the ring of one, in --rounds alternating rounds: the ratio (the median of
+the rounds' ratios) is the ring's own overhead. Peak memory is the
 most any rank allocated during a step, its inputs included. Throughput per GPU credits the gathered call
 4·B·H·N²·d FLOPs forward (half of it causal; twice that backward) and divides by P.
 
@@ -154,6 +155,24 @@ def _measure(call, q, k, v, do, tables, clock: Clock, args) -> dict[str, float]:
     return times
 
 
+def _ring_of_one(ring, plain, q, k, v, do, tables, clock: Clock, args) -> dict[str, Any]:
+    """The ring of one and the plain call measured in --rounds alternating rounds (ring first, then plain, in
+    each): every time is the median over the rounds, and each ratio the median of the rounds' own ratios, so that a
+    drift of the GPU's clocks during the run weighs on both calls alike."""
+    rounds = [(_measure(ring, q, k, v, do, tables, clock, args), _measure(plain, q, k, v, do, tables, clock, args))
+              for _ in range(args.rounds)]  # fmt: skip
+    record: dict[str, Any] = {"rounds": args.rounds}
+    for key in rounds[0][0]:
+        for prefix, index in (("", 0), ("plain_", 1)):
+            values = [r[index][key] for r in rounds if r[index][key] is not None]
+            record[prefix + key] = statistics.median(values) if values else None
+    for key in ("fwd", "step"):
+        ratios = [r[0][f"{key}_ms"] / r[1][f"{key}_ms"] for r in rounds]
+        record[f"ring_over_plain_{key}"] = statistics.median(ratios)
+        record[f"ring_over_plain_{key}_rounds"] = ratios
+    return record
+
+
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
     if args.smoke:  # before triton is imported: the kernels run in Triton's interpreter
         os.environ["TRITON_INTERPRET"] = "1"
@@ -195,12 +214,10 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None
                     "dropout_p": args.dropout,
                 }  # fmt: skip
                 cp_fn = rd.context_parallel(fn, sharding=sharding)
-                record.update(_measure(cp_fn, q, k, v, do, tables, clock, args))
-                if world == 1:  # the plain call beside the ring of one: the ring's own overhead
-                    plain = _measure(fn, q, k, v, do, tables, clock, args)
-                    record.update({f"plain_{key}": value for key, value in plain.items()})
-                    record["ring_over_plain_fwd"] = record["fwd_ms"] / plain["fwd_ms"]
-                    record["ring_over_plain_step"] = record["step_ms"] / plain["step_ms"]
+                if world == 1:  # the plain call beside the ring of one, in alternating rounds: the ring's own overhead
+                    record.update(_ring_of_one(cp_fn, fn, q, k, v, do, tables, clock, args))
+                else:
+                    record.update(_measure(cp_fn, q, k, v, do, tables, clock, args))
                 flops = 4 * args.heads * n * n * args.head_dim * (0.5 if spec.causal else 1.0)
                 record["fwd_tflops_per_gpu"] = flops / record["fwd_ms"] * 1e-9 / world
                 record["step_tflops_per_gpu"] = 3 * flops / record["step_ms"] * 1e-9 / world
@@ -267,6 +284,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call (one seed)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of a ring of one and the plain call")
     parser.add_argument("--timeout-s", type=int, default=600, help="the process group's timeout")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/context_parallel")
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, the interpreter, tiny shapes")
@@ -274,7 +292,7 @@ def main() -> None:
     if args.smoke:
         args.world_sizes = args.world_sizes or "1,2"
         args.seq_lens, args.specs, args.heads, args.head_dim, args.dtype = "32", "t5_decoder", 2, 16, "fp32"
-        args.warmup, args.reps = 0, 1
+        args.warmup, args.reps, args.rounds = 0, 1, 1
         args.out = args.out or Path(tempfile.mkdtemp(prefix="relgen_cp_smoke_"))
     else:
         if not torch.cuda.is_available():
