@@ -384,18 +384,20 @@ def unserved(model: nn.Module) -> str | None:
     return None if names else "patch left every attention module on the model's own code"
 
 
-def run_family(family: Family, args) -> list[dict[str, Any]]:
+def run_family(family: Family, args, records: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """Appends `family`'s records to `records`, calling `save` after each (a run cut short keeps its cases)."""
     config = family.config(args.smoke)
     torch.manual_seed(0)
     model = family.cls(copy.deepcopy(config))
     why = unserved(model)
     if why is not None:
         print(f"[{family.name}] skipped: {why}", flush=True)
-        return [{"model": family.name, "skipped": why}]
+        records.append({"model": family.name, "skipped": why})
+        save()
+        return
     weights = model.state_dict()
     del model
     systems = (*family.systems, "relgen")
-    records = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
         for n in args.seq_lens or ([16, 32] if args.smoke else family.lengths):
@@ -414,13 +416,14 @@ def run_family(family: Family, args) -> list[dict[str, Any]]:
                 record.update(result)
                 free_memory()
                 records.append(record)
+                save()
                 print(f"    {summary(record)}", flush=True)
             if dtype != torch.float32:
                 grads["eager_fp32"] = fp32_reference(family, config, weights, inputs)
             records.append({**case, "system": "check", **checks(grads, family.systems)})
+            save()
             del grads
             free_memory()
-    return records
 
 
 def measure_system(family: Family, system: str, model: nn.Module, inputs: dict, dtype: torch.dtype, args) -> dict:
@@ -621,11 +624,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = environment()
     records: list[dict[str, Any]] = []
-    for name in args.models:
-        records += run_family(FAMILIES[name], args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "models.json").write_text(json.dumps({"environment": env, "records": records}, indent=1) + "\n")
-    (args.out / "models.md").write_text(markdown(env, records))
+
+    def save() -> None:
+        (args.out / "models.json").write_text(json.dumps({"environment": env, "records": records}, indent=1) + "\n")
+        (args.out / "models.md").write_text(markdown(env, records))
+
+    for name in args.models:
+        run_family(FAMILIES[name], args, records, save)
+    save()
     print(f"wrote {args.out / 'models.json'} and {args.out / 'models.md'}")
 
 
