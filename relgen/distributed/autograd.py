@@ -23,17 +23,15 @@ class RingCall:
     blocks: Blocks
     layout: schedule.Layout
     kpm: torch.Tensor | None
-    keep_projections: bool = True  # a single pair keeps its forward's projections for the backward
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, aq, ak, bias, call: RingCall):
         """(O, base-2 lse [B, H, nq]) of the local queries; q … bias passed apart so that autograd sees them."""
-        o, lse2, kept = schedule.forward(call.ring, call.blocks, call.layout, q, k, v, (aq, ak, bias), call.kpm,
-                                         keep=call.keep_projections)  # fmt: skip
+        o, lse2 = schedule.forward(call.ring, call.blocks, call.layout, q, k, v, (aq, ak, bias), call.kpm)
         ctx.save_for_backward(q, k, v, aq, ak, bias, o, lse2)
-        ctx.call, ctx.kept = call, kept
+        ctx.call = call
         ctx.mark_non_differentiable(lse2)
         return o, lse2
 
@@ -43,8 +41,7 @@ class RingAttention(torch.autograd.Function):
         call: RingCall = ctx.call
         tables = (aq, ak, bias)
         dq, dk, dv, dtables = schedule.backward(call.ring, call.blocks, call.layout, do, q, k, v, tables, call.kpm, o,
-                                                lse2, ctx.kept)  # fmt: skip
-        ctx.kept = None
+                                                lse2)  # fmt: skip
         grads = []
         for table, total, needed in zip(tables, dtables, ctx.needs_input_grad[3:6], strict=True):
             if table is None or not needed:

@@ -68,24 +68,19 @@ class Blocks:
         before any transfer, so that a bad call fails on every rank alike."""
         self._call(q, k, v, tables, kpm, qs, ks)
 
-    def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, keep: bool = False):
-        """(O, base-2 lse [B·H·n], kept) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`;
-        kept: with `keep`, the (checked call, projections, expanded tables) of the pair's forward, which a backward
-        of the same pair may reuse (else None)."""
+    def forward(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment):
+        """(O, base-2 lse [B·H·n]) of the queries q of chunk `qs` over the keys k, v (mask kpm) of chunk `ks`."""
         call = self._call(q, k, v, tables, kpm, qs, ks)
-        o, lse2, projections, expanded = self.module._forward_pass(call, keep)
-        return o, lse2, (call, projections, expanded) if keep else None
+        o, lse2, _, _ = self.module._forward_pass(call, False)
+        return o, lse2
 
-    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2, kept=None, shared=None):
+    def backward(self, do, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment, o, lse2, shared=None):
         """(dq, dk, dv, (daq, dak, dbias)) of the pair, given the GATHERED call's O and base-2 lse of the queries
         `qs` (the backward's D = rowsum(dO ∘ O) and P = exp2(s − lse) are then those of the softmax over every
         key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed,
-        unless `kept` holds this pair's from its forward (Blocks.forward), or `shared` (a dict the backward's pairs
-        share) holds those of an earlier pair of the same query chunk that are this pair's too (`_shared_window`)."""
-        if kept is not None:  # this pair's forward: its call, projections and expanded tables
-            call, projections, expanded = kept
-            dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, projections, expanded)
-            return dq, dk, dv, tuple(dtables)
+        unless `shared` (a dict the backward's pairs share) holds those of an earlier pair of the same query chunk
+        that are this pair's too (`_shared_window`)."""
+        kept = None
         call = self._call(q, k, v, tables, kpm, qs, ks)
         if shared is not None and self._shared_window(call):
             kept = shared.get(qs.chunk)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from relgen.distributed.autograd import RingAttention, RingCall
 from relgen.distributed.blocks import ROW_DIMS, Blocks
 from relgen.distributed.ring import Ring
-from relgen.distributed.schedule import Layout
+from relgen.distributed.schedule import Layout, single_pair
 from relgen.distributed.sharding import check_sharding, chunk_count
 from relgen.runtime.arguments import LN2, PACKING_OPTIONS, seed_snapshot
 from relgen.runtime.mechanism import Mechanism, compile_mechanism
@@ -39,11 +39,11 @@ class ContextParallel:
 
     Options as `fn`'s: `key_padding_mask` ([B, n] bool, sharded like k), `q_offset`, `k_offset` (positions of
     the gathered sequences' first query and key), `dropout_p`, `dropout_seed`, `scale`, `return_lse`.
-    `recompute_projections`: a call that is a single pair of chunks (a ring of one, contiguous) keeps its
-    forward's projections for the backward, as the plain call does, unless it is True; every other call recomputes
-    them in its backward (a pair's windows of Z̃ depend on its offsets, and keeping every pair's would cost a rank
-    the memory of the unsharded call), once per query chunk where its pairs share them (a Z̃^Q alone whose
-    windows are the whole expansion). Packed sequences (`cu_seqlens`) are not supported.
+    A ring of one in one chunk (`sharding="contiguous"` on a group of one) is the plain call, and runs as `fn`
+    itself, `recompute_projections` included. Every other call recomputes its projections in its backward (a pair's
+    windows of Z̃ depend on its offsets, and keeping every pair's would cost a rank the memory of the unsharded
+    call), once per query chunk where its pairs share them (a Z̃^Q alone whose windows are the whole expansion).
+    Packed sequences (`cu_seqlens`) are not supported.
 
     Dropout: the mask is the unsharded call's (`relgen.testing.dropout_keep_mask` over the gathered sequence, at
     its offsets), whatever the group size and the sharding: the kernels key it by absolute positions, and every
@@ -79,6 +79,12 @@ class ContextParallel:
         tables = (aq, ak, bias)
         if module.PLAN.length_dependent:
             _check_identity_rows(tables, 2 * length - 1, length)
+        if single_pair(self.ring, layout):  # no ring: the plain call on the whole (local) sequence
+            return self.fn(
+                q, k, v, aq, ak, bias, key_padding_mask=key_padding_mask, q_offset=q_offset, k_offset=k_offset,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
+                recompute_projections=recompute_projections, return_lse=return_lse,
+            )  # fmt: skip
         if isinstance(dropout_p, int | float) and not isinstance(dropout_p, bool) and dropout_p > 0:
             # one seed for the forward and the backward: drawn now if not given (a tensor seed is copied, as the
             # unsharded call does, so that the caller may update theirs in place)
@@ -93,7 +99,7 @@ class ContextParallel:
                 first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2), tables,
                 first_k.of(key_padding_mask, 1) if key_padding_mask is not None else None, first_q, first_k,
             )  # fmt: skip
-        call = RingCall(self.ring, blocks, layout, key_padding_mask, keep_projections=not recompute_projections)
+        call = RingCall(self.ring, blocks, layout, key_padding_mask)
         o, lse2 = RingAttention.apply(q, k, v, aq, ak, bias, call)
         return (o, lse2 * LN2) if return_lse else o
 

@@ -82,16 +82,12 @@ def single_pair(ring: Ring, layout: Layout) -> bool:
     return ring.size == 1 and len(layout.queries(ring)) == 1
 
 
-def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm, keep: bool = False):
-    """(O in q's dtype, base-2 lse fp32 [B, H, nq], kept) of the local queries over the gathered keys. kept: with
-    `keep` and a single pair, its forward's (checked call, projections, expanded tables) for the backward (what the
-    plain call keeps: the same memory), else None. A query chunk's first pair gives its running (O, lse) as it
-    comes; each later pair merges into them (`merge`)."""
+def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm):
+    """(O in q's dtype, base-2 lse fp32 [B, H, nq]) of the local queries over the gathered keys. A query chunk's
+    first pair gives its running (O, lse) as it comes; each later pair merges into them (`merge`)."""
     b, h = q.shape[:2]
     queries = layout.queries(ring)
-    keep = keep and single_pair(ring, layout)
     totals: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(queries)
-    kept = None
     travelling = _travelling(k, v, kpm)
     for step in range(ring.size):
         transfer = ring.pass_on(travelling) if step + 1 < ring.size else None
@@ -100,11 +96,10 @@ def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables,
             for ks in layout.keys(ring, ring.source(step)):
                 if not blocks.reaches(qs, ks):
                     continue
-                o, lse2, pair_kept = blocks.forward(
+                o, lse2 = blocks.forward(
                     qs.of(q, SEQ), ks.of(k_cur, SEQ), ks.of(v_cur, SEQ), tables,
-                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, keep=keep,
+                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks,
                 )  # fmt: skip
-                kept = pair_kept if keep else None
                 lse2 = lse2.view(b, h, qs.length)
                 totals[n] = (o, lse2) if totals[n] is None else merge(*totals[n], o, lse2)
         if transfer is not None:
@@ -113,13 +108,13 @@ def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables,
     o = _gathered([t[0] if t is not None else None for t in totals], q, lengths, q.dtype)
     lses = [t[1] if t is not None else q.new_full((b, h, n), float("-inf"), dtype=torch.float32)
             for t, n in zip(totals, lengths, strict=True)]  # fmt: skip
-    return o, lses[0] if len(lses) == 1 else torch.cat(lses, SEQ), kept
+    return o, lses[0] if len(lses) == 1 else torch.cat(lses, SEQ)
 
 
-def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Tables, kpm, o, lse2, kept=None):
+def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Tables, kpm, o, lse2):
     """(dq, dk, dv in their inputs' dtypes, the table gradients of this rank's pairs: fp32 sums, or a single
     pair's own in the table's dtype; None for a table no pair reached) for the local chunks; o and lse2
-    [B, H, nq] are the gathered call's, for the local queries; kept: forward's (single pair)."""
+    [B, H, nq] are the gathered call's, for the local queries."""
     queries = layout.queries(ring)
     dq_sums: list[torch.Tensor | None] = [None] * len(queries)
     dtables: list[torch.Tensor | None] = [None] * len(tables)
@@ -140,7 +135,7 @@ def backward(ring: Ring, blocks: Blocks, layout: Layout, do, q, k, v, tables: Ta
                     continue
                 dq_p, dk_p, dv_p, dt_p = blocks.backward(
                     do_s, qs.of(q, SEQ), ks.of(k_cur, SEQ), ks.of(v_cur, SEQ), tables,
-                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s, kept, shared,
+                    ks.of(kpm_cur, 1) if kpm_cur is not None else None, qs, ks, o_s, lse_s, shared,
                 )  # fmt: skip
                 dq_sums[n] = _add(dq_sums[n], dq_p)
                 dtables = blocks.add_table_grads(dtables, dt_p, tables, qs, ks)
