@@ -10,7 +10,8 @@ GPUs use GPUs 0, 1, …). Every rank holds its shard of q, k, v ([1, H, N/P, d],
 tables, as a model would. A reading is the median over --reps of the slowest rank's time, the ranks lined up
 by a barrier before each call: the forward alone, and a step (forward and backward). On one GPU the plain call
 on the whole sequence is timed beside the ring of one, in --rounds alternating rounds: the ratio (the median of
-the rounds' ratios) is the ring's own overhead. Peak memory is the
+the rounds' ratios) is the ring's own overhead, for single calls and for forwards issued back to back (throughput,
+where a call's host time overlaps the previous call's kernels). Peak memory is the
 most any rank allocated during a step, its inputs included. Throughput per GPU credits the gathered call
 4·B·H·N²·d FLOPs forward (half of it causal; twice that backward) and divides by P.
 
@@ -170,7 +171,27 @@ def _ring_of_one(ring, plain, q, k, v, do, tables, clock: Clock, args) -> dict[s
         ratios = [r[0][f"{key}_ms"] / r[1][f"{key}_ms"] for r in rounds]
         record[f"ring_over_plain_{key}"] = statistics.median(ratios)
         record[f"ring_over_plain_{key}_rounds"] = ratios
+    if clock.device.type == "cuda":  # throughput: calls back to back, as a model's layers issue them
+        pairs = [(_back_to_back(ring, q, k, v, tables, clock), _back_to_back(plain, q, k, v, tables, clock))
+                 for _ in range(args.rounds)]  # fmt: skip
+        record["fwd_ms_back_to_back"] = statistics.median(a for a, _ in pairs)
+        record["plain_fwd_ms_back_to_back"] = statistics.median(b for _, b in pairs)
+        record["ring_over_plain_fwd_back_to_back"] = statistics.median(a / b for a, b in pairs)
     return record
+
+
+def _back_to_back(call, q, k, v, tables, clock: Clock, calls: int = 50) -> float:
+    """ms per forward over `calls` forwards issued back to back (no synchronisation between them)."""
+    with torch.no_grad():
+        call(q, k, v, **tables)
+        clock.sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call(q, k, v, **tables)
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace) -> None:
