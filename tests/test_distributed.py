@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -426,17 +427,18 @@ def test_a_ring_of_one_in_zigzag_chunks_draws_the_unsharded_dropout_mask():
 
 
 _X = torch.zeros(1, 2, 16, D)
-#: a good call of txl on a ring of one (16 tokens: 31 identity rows)
+#: a good call of txl on a ring of one (16 tokens: 31 identity rows). A ring of one in one chunk (contiguous) is the
+#: plain call and gives its errors; the ring's own checks are met with zigzag chunks (two on a ring of one)
 _GOOD = {"q": _X, "k": _X, "v": _X, "aq": torch.zeros(2, 31, D)}
 _BAD_CALLS = [
     ("striped", {}, ValueError, "sharding: expected one of"),
     ("contiguous", {"cu_seqlens": torch.tensor([0, 16], dtype=torch.int32)}, NotImplementedError, "cu_seqlens"),
     ("contiguous", {"cu_seqlens_q": torch.tensor([0, 16], dtype=torch.int32)}, NotImplementedError, "cu_seqlens_q"),
     ("contiguous", {"max_seqlen_k": 16}, NotImplementedError, "max_seqlen_k"),
-    ("contiguous", {"q": torch.zeros(1, 2, 16)}, ValueError, "q: expected a tensor [B, H, n, d]"),
+    ("zigzag", {"q": torch.zeros(1, 2, 16)}, ValueError, "q: expected a tensor [B, H, n, d]"),
     ("zigzag", {"q": torch.zeros(1, 2, 15, D)}, ValueError, "q: a zigzag shard holds 2 equal chunks"),
-    ("contiguous", {"v": torch.zeros(1, 2, 8, D)}, ValueError, "v: expected the length of k"),
-    ("contiguous", {"aq": torch.zeros(2, 29, D)}, ValueError, "aq: expected 31 rows"),
+    ("zigzag", {"v": torch.zeros(1, 2, 8, D)}, ValueError, "v: expected the length of k"),
+    ("zigzag", {"aq": torch.zeros(2, 29, D)}, ValueError, "aq: expected 31 rows"),
     ("contiguous", {"aq": torch.zeros(2, 31, D, dtype=torch.float16)}, ValueError, "aq: dtype must match q"),
     ("contiguous", {"key_padding_mask": torch.ones(1, 8, dtype=torch.bool)}, ValueError, "key_padding_mask"),
     ("contiguous", {"q_offset": -1}, ValueError, "q_offset"),
@@ -449,14 +451,37 @@ _BAD_CALLS = [
 
 @pytest.mark.parametrize(("sharding", "change", "error", "words"), _BAD_CALLS, ids=[c[3] for c in _BAD_CALLS])
 def test_bad_calls_name_the_argument(sharding, change, error, words):
-    import re
-
     import relgen
     import relgen.distributed as rd
 
     fn = relgen.compile_mechanism(_spec(Case("txl", "txl", "contiguous")))
     with pytest.raises(error, match=re.escape(words)):
         rd.context_parallel(fn, sharding=sharding)(**{**_GOOD, **change})
+
+
+def test_a_ring_of_one_in_one_chunk_is_the_plain_call():
+    """A contiguous ring of one runs fn itself: the same bits (forward and every gradient) and fn's own errors."""
+    import relgen
+    import relgen.distributed as rd
+
+    fn = relgen.compile_mechanism(_spec(Case("txl", "txl", "contiguous")))
+    cp_fn = rd.context_parallel(fn)
+    assert cp_fn.plain and not rd.context_parallel(fn, sharding="zigzag").plain
+    gen = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1, 2, 16, D, generator=gen, requires_grad=True) for _ in range(3)]
+    table = torch.randn(2, 31, D, generator=gen, requires_grad=True)
+    do = torch.randn(1, 2, 16, D, generator=gen)
+    results = []
+    for call in (fn, cp_fn):
+        out = call(*leaves, aq=table)
+        results.append((out, *torch.autograd.grad(out, [*leaves, table], do)))
+    for a, e in zip(*results, strict=True):
+        assert torch.equal(a, e)
+    bad = torch.zeros(2, 29, D)
+    with pytest.raises(ValueError) as plain_error:
+        fn(*leaves, aq=bad)
+    with pytest.raises(ValueError, match=re.escape(str(plain_error.value))):
+        cp_fn(*leaves, aq=bad)
 
 
 def test_shard_errors():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from relgen.distributed.autograd import RingAttention, RingCall
 from relgen.distributed.blocks import ROW_DIMS, Blocks
 from relgen.distributed.ring import Ring
-from relgen.distributed.schedule import Layout, single_pair
+from relgen.distributed.schedule import Layout
 from relgen.distributed.sharding import check_sharding, chunk_count
 from relgen.runtime.arguments import LN2, PACKING_OPTIONS, seed_snapshot
 from relgen.runtime.mechanism import Mechanism, compile_mechanism
@@ -57,6 +57,8 @@ class ContextParallel:
         self.fn = fn
         self.sharding = check_sharding(sharding)
         self.ring = Ring(group)
+        # a ring of one in one chunk is the plain call: it runs as fn itself, with fn's checks and host time
+        self.plain = self.ring.size == 1 and chunk_count(self.sharding, 1) == 1
 
     @torch.compiler.disable  # P2P transfers and host-side scheduling: not traceable
     def __call__(
@@ -65,12 +67,18 @@ class ContextParallel:
         dropout_p=0.0, dropout_seed=None, scale=None, recompute_projections=False, return_lse=False,
     ):  # fmt: skip
         packing = (cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        given = [name for name, value in zip(PACKING_OPTIONS, packing, strict=True) if value is not None]
-        if given:
+        if packing != (None,) * len(packing):
+            given = [name for name, value in zip(PACKING_OPTIONS, packing, strict=True) if value is not None]
             raise NotImplementedError(
                 f"{given[0]}: packed sequences are not supported by context_parallel; shard padded [B, H, N, d] "
                 "sequences with a key_padding_mask instead"
             )
+        if self.plain:
+            return self.fn(
+                q, k, v, aq, ak, bias, key_padding_mask=key_padding_mask, q_offset=q_offset, k_offset=k_offset,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
+                recompute_projections=recompute_projections, return_lse=return_lse,
+            )  # fmt: skip
         if not isinstance(recompute_projections, bool):
             raise ValueError(f"recompute_projections: expected a bool, got {type(recompute_projections).__name__}")
         layout = self._layout(q, k, v, key_padding_mask, q_offset, k_offset)
@@ -79,12 +87,6 @@ class ContextParallel:
         tables = (aq, ak, bias)
         if module.PLAN.length_dependent:
             _check_identity_rows(tables, 2 * length - 1, length)
-        if single_pair(self.ring, layout):  # no ring: the plain call on the whole (local) sequence
-            return self.fn(
-                q, k, v, aq, ak, bias, key_padding_mask=key_padding_mask, q_offset=q_offset, k_offset=k_offset,
-                dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
-                recompute_projections=recompute_projections, return_lse=return_lse,
-            )  # fmt: skip
         if isinstance(dropout_p, int | float) and not isinstance(dropout_p, bool) and dropout_p > 0:
             # one seed for the forward and the backward: drawn now if not given (a tensor seed is copied, as the
             # unsharded call does, so that the caller may update theirs in place)

@@ -77,11 +77,6 @@ def _gathered(sums: list[torch.Tensor | None], like: torch.Tensor, lengths: list
     return parts[0] if len(parts) == 1 else torch.cat(parts, SEQ)
 
 
-def single_pair(ring: Ring, layout: Layout) -> bool:
-    """Whether the call is one pair of chunks (a ring of one in contiguous chunks): the plain call on one GPU."""
-    return ring.size == 1 and len(layout.queries(ring)) == 1
-
-
 def forward(ring: Ring, blocks: Blocks, layout: Layout, q, k, v, tables: Tables, kpm):
     """(O in q's dtype, base-2 lse fp32 [B, H, nq]) of the local queries over the gathered keys. A query chunk's
     first pair gives its running (O, lse) as it comes; each later pair merges into them (`merge`)."""
