@@ -462,12 +462,14 @@ def measure_generate(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: t
 def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
     """Where a training step's memory goes: the tensors one forward (train mode, dropout on) saves for the
     backward, by the module that saved them (its class and its parent's, e.g. ``T5Attention/Dropout``; each storage
-    counted once, for the first module that saved it), and the parameters with their gradients and AdamW's two
-    moments (fp32). MiB each."""
+    counted once, for the first module that saved it), and by module, shape and dtype (which tensors: q, k, v,
+    relgen's relation projections Z̃, ...), and the parameters with their gradients and AdamW's two moments (fp32).
+    MiB each."""
     model.train()
     stack: list[str] = []
     seen: set[int] = set()
     by_module: dict[str, float] = {}
+    by_tensor: dict[tuple[str, str], list[float]] = {}  # (module, "[shape] dtype") → [MiB, count]
 
     def enter(module: nn.Module, _args: Any) -> None:
         stack.append(type(module).__name__)
@@ -481,6 +483,9 @@ def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
             seen.add(storage.data_ptr())
             where = "/".join(stack[-2:]) or "(outside any module)"
             by_module[where] = by_module.get(where, 0.0) + storage.nbytes() / 2**20
+            kind = by_tensor.setdefault((where, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"), [0.0, 0])
+            kind[0] += storage.nbytes() / 2**20
+            kind[1] += 1
         return t
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
@@ -494,9 +499,13 @@ def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
             handle.remove()
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     top = dict(sorted(by_module.items(), key=lambda item: -item[1])[:8])
+    tensors = sorted(by_tensor.items(), key=lambda item: -item[1][0])[:12]
     return {
         "saved_mib": sum(by_module.values()),
         "saved_mib_by_module": top,
+        "saved_mib_by_tensor": [
+            {"module": where, "tensor": kind, "mib": mib, "count": count} for (where, kind), (mib, count) in tensors
+        ],
         "parameters_mib": params,
         "gradients_and_adamw_mib": 3 * params,
     }
@@ -679,6 +688,14 @@ def markdown(env: dict[str, Any], records: list[dict[str, Any]]) -> str:
                 f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {r['system']} | {memory['saved_mib']:.0f} | "
                 f"{savers} | {memory['parameters_mib'] + memory['gradients_and_adamw_mib']:.0f} |"
             )
+    lines += ["", "Largest tensors saved for the backward (module: shape dtype, MiB in all × count):", ""]
+    for r in steps:
+        memory = r.get("memory")
+        if isinstance(memory, dict) and memory.get("saved_mib_by_tensor"):
+            kinds = "; ".join(
+                f"{k['module']}: {k['tensor']} {k['mib']:.1f} × {k['count']}" for k in memory["saved_mib_by_tensor"][:5]
+            )
+            lines.append(f"- {r['model']} {r['dtype']} N={r['seq_len']} {r['system']}: {kinds}")
     lines += profile_markdown(steps)
     generated = [r for r in steps if "generate" in r]
     if generated:
