@@ -61,6 +61,7 @@ import transformers
 from torch import nn
 
 import relgen.integrations
+from relgen.runtime.launch import Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -327,17 +328,24 @@ def relgen_kernels() -> set[str]:
         if module is None or not name.startswith("relgen"):
             continue
         for obj in vars(module).values():
-            fn = getattr(obj, "fn", None)  # triton's JITFunction (and the interpreter's) wraps the Python function
-            if callable(fn) and type(obj).__module__.startswith("triton"):
+            # triton's JITFunction (and the interpreter's) and relgen's Launcher around one wrap the Python function
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and (isinstance(obj, Launcher) or type(obj).__module__.startswith("triton")):
                 names.add(fn.__name__)
             elif isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and obj.__module__ == name:
                 names.update((obj.__name__, f"{obj.__name__}Backward"))
     return names
 
 
+#: relgen's kernels that form and reduce the stored relation projections Z̃ (the rest run the attention passes)
+RELGEN_PROJECTION_KERNELS = ("_project", "_reduce", "_fold")
+
+
 def kernel_kind(name: str, relgen_names: set[str]) -> str:
     if name in relgen_names or name.split("(")[0] in relgen_names:
-        return "relgen attention kernels"
+        if name.startswith(RELGEN_PROJECTION_KERNELS):
+            return "relgen: relation projections Z̃ and their reductions"
+        return "relgen: attention passes"
     lower = name.lower()
     return next((kind for kind, parts in KERNEL_KINDS if any(part in lower for part in parts)), "other")
 
