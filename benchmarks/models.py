@@ -18,8 +18,10 @@ also sdpa against eager, the size of a difference two correct implementations ha
 model that runs out of memory there is retried with gradient checkpointing (same values, recomputed). Every case
 that runs out of memory is recorded as "OOM". Where the memory goes: the tensors one forward saves for the
 backward, summed by the module that saved them (e.g. ``T5Attention/Dropout``: an attention dropout's [B, H, N, N]
-mask), next to the parameters, their gradients and AdamW's moments. Writes models.json and models.md (date, git
-commit, command line, versions, GPU) into --out.
+mask), next to the parameters, their gradients and AdamW's moments. Where the time goes (--profile, relgen's model
+only): torch.profiler over a few steps, the GPU kernels by time summed by kind (relgen's attention kernels, GEMMs,
+copies and casts, optimizer, ...), the top aten operators and the forward / backward / optimizer times. Writes
+models.json and models.md (date, git commit, command line, versions, GPU) into --out.
 
     python benchmarks/models.py --models deberta,t5 --dtype bf16,fp16 --steps 10 --out DIR
     python benchmarks/models.py --smoke --dtype fp16,fp32 --out /tmp/models   # tiny sizes, runs on a CPU
@@ -42,6 +44,7 @@ import contextlib
 import copy
 import datetime
 import gc
+import itertools
 import json
 import platform
 import shlex
@@ -58,6 +61,7 @@ import transformers
 from torch import nn
 
 import relgen.integrations
+from relgen.runtime.launch import Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -271,19 +275,23 @@ def difference(candidate: dict[str, Any], reference: dict[str, Any]) -> dict[str
     }
 
 
-def train_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
-    """One optimisation step (forward, backward, AdamW; fp16 with a gradient scaler), dropout on."""
+def train_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> Callable[..., None]:
+    """One optimisation step (forward, backward, AdamW; fp16 with a gradient scaler), dropout on. `mark(phase)`
+    is called as each phase ends (forward, backward, optimizer), in stream order: Profile's phase times."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     scaler = torch.amp.GradScaler(DEVICE, enabled=dtype == torch.float16 and DEVICE == "cuda")
 
-    def step() -> None:
+    def step(mark: Callable[[str], None] = lambda _phase: None) -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast(dtype):
             loss = model(**inputs).loss
+        mark("forward")
         scaler.scale(loss).backward()
+        mark("backward")
         scaler.step(optimizer)
         scaler.update()
+        mark("optimizer")
 
     return step
 
@@ -295,6 +303,148 @@ def measure_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
     del step  # the optimizer's state
     model.zero_grad(set_to_none=True)
     return {"step_ms": result["ms"], "peak_mib": result["peak_mib"], "step_times_ms": result["times_ms"]}
+
+
+#: kernel-name fragments by what they compute, first match wins (cuBLAS/CUTLASS names vary by version and GPU)
+KERNEL_KINDS = (
+    (
+        "GEMM (projections, FFN, heads)",
+        ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm", "bmm", "addmm"),
+    ),
+    ("optimizer", ("multi_tensor_apply", "adam", "_foreach")),
+    ("copies and casts", ("copy", "aten::cat", "clone", "contiguous")),
+    ("dropout outside the kernels", ("dropout", "bernoulli", "philox")),
+    ("normalisation", ("norm",)),
+    ("softmax outside the kernels", ("softmax",)),
+    ("reductions", ("reduce", "sum", "mean")),
+)
+
+
+def relgen_kernels() -> set[str]:
+    """The names of relgen's Triton kernels (the generated modules' and the runtime's), as the profiler names them,
+    and of its autograd functions (what a CPU profile shows: the interpreter's kernels run inside them)."""
+    names = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("relgen"):
+            continue
+        for obj in vars(module).values():
+            # triton's JITFunction (and the interpreter's) and relgen's Launcher around one wrap the Python function
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and (isinstance(obj, Launcher) or type(obj).__module__.startswith("triton")):
+                names.add(fn.__name__)
+            elif isinstance(obj, type) and issubclass(obj, torch.autograd.Function) and obj.__module__ == name:
+                names.update((obj.__name__, f"{obj.__name__}Backward"))
+    return names
+
+
+#: relgen's kernels that form and reduce the stored relation projections Z̃ (the rest run the attention passes)
+RELGEN_PROJECTION_KERNELS = ("_project", "_reduce", "_fold")
+
+
+def kernel_kind(name: str, relgen_names: set[str]) -> str:
+    if name in relgen_names or name.split("(")[0] in relgen_names:
+        if name.startswith(RELGEN_PROJECTION_KERNELS):
+            return "relgen: relation projections Z̃ and their reductions"
+        return "relgen: attention passes"
+    lower = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(part in lower for part in parts)), "other")
+
+
+def profile_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
+    """Where a training step's time goes: torch.profiler over --profile-steps steps (after --warmup), the GPU
+    kernels by device time per step (on a CPU, the operators by CPU time), summed by kind (relgen's attention
+    kernels, GEMMs, copies and casts, optimizer, ...), the top aten operators by the device time of the kernels
+    they launch, and the forward / backward / optimizer times (CUDA events between the phases, medians)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step = train_step(model, inputs, dtype)
+    for _ in range(args.warmup):
+        step()
+    cuda = DEVICE == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = args.profile_steps
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    relgen_names = relgen_kernels()
+
+    def per_step(us: float) -> float:
+        return us / 1e3 / steps
+
+    if cuda:  # the kernels themselves (Triton's launches have no aten operator above them)
+        kernels = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type == DeviceType.CUDA]
+    else:  # no device: the operators' own CPU time (the interpreter's kernels count in their callers)
+        kernels = [(e.key, e.self_cpu_time_total, e.count) for e in events if not e.is_user_annotation]
+    kernels = [k for k in kernels if k[1] > 0]
+    total = sum(us for _, us, _ in kernels)
+    kinds: dict[str, float] = {}
+    for name, us, _ in kernels:
+        kind = kernel_kind(name, relgen_names)
+        kinds[kind] = kinds.get(kind, 0.0) + per_step(us)
+    top = sorted(kernels, key=lambda k: -k[1])[: args.profile_top]
+    ops = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::")),
+        key=lambda e: -(e.self_device_time_total if cuda else e.self_cpu_time_total),
+    )[: args.profile_top]
+    return {
+        "steps": steps,
+        "clock": "GPU kernels (device time)" if cuda else "CPU operators (self time; Triton's interpreter)",
+        "kernel_ms_per_step": per_step(total),
+        "by_kind_ms_per_step": dict(sorted(kinds.items(), key=lambda item: -item[1])),
+        "top_kernels": [
+            {
+                "name": name[:200],
+                "kind": kernel_kind(name, relgen_names),
+                "ms_per_step": per_step(us),
+                "calls_per_step": count / steps,
+                "share": us / total if total else 0.0,
+            }
+            for name, us, count in top
+        ],
+        "top_operators": [
+            {
+                "name": e.key,
+                "device_ms_per_step": per_step(e.self_device_time_total),
+                "cpu_ms_per_step": per_step(e.self_cpu_time_total),
+                "calls_per_step": e.count / steps,
+            }
+            for e in ops
+        ],
+        "phases_ms": phase_times(step, steps),
+    }
+
+
+def phase_times(step: Callable[..., None], steps: int) -> dict[str, float]:
+    """Median forward, backward and optimizer times of `steps` steps (CUDA events in stream order; on a CPU, wall
+    time)."""
+    cuda = DEVICE == "cuda"
+    marks: list[tuple[str, Any]] = []
+
+    def mark(phase: str) -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((phase, event))
+        else:
+            marks.append((phase, time.perf_counter()))
+
+    phases: dict[str, list[float]] = {}
+    for _ in range(steps):
+        marks.clear()
+        mark("start")
+        step(mark)
+        if cuda:
+            torch.cuda.synchronize()
+        for (_, begin), (phase, end) in itertools.pairwise(marks):
+            ms = begin.elapsed_time(end) if cuda else (end - begin) * 1e3
+            phases.setdefault(phase, []).append(ms)
+    return {phase: statistics.median(ms) for phase, ms in phases.items()}
 
 
 def measure_generate(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
@@ -320,12 +470,14 @@ def measure_generate(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: t
 def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
     """Where a training step's memory goes: the tensors one forward (train mode, dropout on) saves for the
     backward, by the module that saved them (its class and its parent's, e.g. ``T5Attention/Dropout``; each storage
-    counted once, for the first module that saved it), and the parameters with their gradients and AdamW's two
-    moments (fp32). MiB each."""
+    counted once, for the first module that saved it), and by module, shape and dtype (which tensors: q, k, v,
+    relgen's relation projections Z̃, ...), and the parameters with their gradients and AdamW's two moments (fp32).
+    MiB each."""
     model.train()
     stack: list[str] = []
     seen: set[int] = set()
     by_module: dict[str, float] = {}
+    by_tensor: dict[tuple[str, str], list[float]] = {}  # (module, "[shape] dtype") → [MiB, count]
 
     def enter(module: nn.Module, _args: Any) -> None:
         stack.append(type(module).__name__)
@@ -339,6 +491,9 @@ def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
             seen.add(storage.data_ptr())
             where = "/".join(stack[-2:]) or "(outside any module)"
             by_module[where] = by_module.get(where, 0.0) + storage.nbytes() / 2**20
+            kind = by_tensor.setdefault((where, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"), [0.0, 0])
+            kind[0] += storage.nbytes() / 2**20
+            kind[1] += 1
         return t
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
@@ -352,9 +507,13 @@ def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
             handle.remove()
     params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     top = dict(sorted(by_module.items(), key=lambda item: -item[1])[:8])
+    tensors = sorted(by_tensor.items(), key=lambda item: -item[1][0])[:12]
     return {
         "saved_mib": sum(by_module.values()),
         "saved_mib_by_module": top,
+        "saved_mib_by_tensor": [
+            {"module": where, "tensor": kind, "mib": mib, "count": count} for (where, kind), (mib, count) in tensors
+        ],
         "parameters_mib": params,
         "gradients_and_adamw_mib": 3 * params,
     }
@@ -437,6 +596,8 @@ def measure_system(family: Family, system: str, model: nn.Module, inputs: dict, 
         record.update(loss=check["loss"], reference_checkpointed=check["checkpointed"], grads=check["grads"])
     record.update(guarded(measure_step, model, inputs, dtype, args) or {"step_ms": "OOM"})
     record["memory"] = guarded(saved_memory, model, inputs, dtype, args) or "OOM"
+    if args.profile and system == "relgen":
+        record["profile"] = guarded(profile_step, model, inputs, dtype, args) or "OOM"
     if family.generates:
         record["generate"] = guarded(measure_generate, model, inputs, dtype, args) or "OOM"
     return record
@@ -535,6 +696,15 @@ def markdown(env: dict[str, Any], records: list[dict[str, Any]]) -> str:
                 f"| {r['model']} | {r['dtype']} | {r['seq_len']} | {r['system']} | {memory['saved_mib']:.0f} | "
                 f"{savers} | {memory['parameters_mib'] + memory['gradients_and_adamw_mib']:.0f} |"
             )
+    lines += ["", "Largest tensors saved for the backward (module: shape dtype, MiB in all × count):", ""]
+    for r in steps:
+        memory = r.get("memory")
+        if isinstance(memory, dict) and memory.get("saved_mib_by_tensor"):
+            kinds = "; ".join(
+                f"{k['module']}: {k['tensor']} {k['mib']:.1f} × {k['count']}" for k in memory["saved_mib_by_tensor"][:5]
+            )
+            lines.append(f"- {r['model']} {r['dtype']} N={r['seq_len']} {r['system']}: {kinds}")
+    lines += profile_markdown(steps)
     generated = [r for r in steps if "generate" in r]
     if generated:
         lines += ["", "Greedy generate(), tokens/s (batch × new tokens / time of one call):", ""]
@@ -564,6 +734,28 @@ def markdown(env: dict[str, Any], records: list[dict[str, Any]]) -> str:
                 )
     lines += [f"- {r['model']}: skipped ({r['skipped']})" for r in records if "skipped" in r]
     return "\n".join(lines) + "\n"
+
+
+def profile_markdown(steps: list[dict[str, Any]]) -> list[str]:
+    """Each profiled case (--profile): its phases, its kernel time by kind, and its top kernels."""
+    lines: list[str] = []
+    for r in steps:
+        prof = r.get("profile")
+        if not isinstance(prof, dict):
+            continue
+        phases = ", ".join(f"{phase} {ms:.1f}" for phase, ms in prof["phases_ms"].items())
+        lines += ["", f"Profile of {r['model']} {r['dtype']} N={r['seq_len']} B={r['batch']} {r['system']}, "]
+        lines[-1] += f"{prof['clock']}, per step: {prof['kernel_ms_per_step']:.1f} ms in all; phases (ms): {phases}"
+        lines += ["", "| kind | ms / step | share |", "|---|---|---|"]
+        total = prof["kernel_ms_per_step"] or 1.0
+        lines += [f"| {kind} | {ms:.2f} | {ms / total:.1%} |" for kind, ms in prof["by_kind_ms_per_step"].items()]
+        lines += ["", "| kernel | kind | ms / step | calls / step | share |", "|---|---|---|---|---|"]
+        for k in prof["top_kernels"][:15]:
+            lines.append(
+                f"| `{k['name'][:90]}` | {k['kind']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} | "
+                f"{k['share']:.1%} |"
+            )
+    return lines
 
 
 def ratio(numerator: Any, denominator: Any) -> str:
@@ -597,6 +789,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generate-runs", type=int, default=None, help="timed generate() calls (default 3)")
     parser.add_argument("--out", type=Path, required=True, help="directory for models.json and models.md")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (proves the script on a CPU)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="relgen's training step under torch.profiler: kernels by time and kind, phases (into models.json)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps (default 3)")
+    parser.add_argument("--profile-top", type=int, default=25, help="kernels and operators listed (default 25)")
     args = parser.parse_args(argv)
     defaults = dict(
         steps=1 if args.smoke else 10,

@@ -4,6 +4,7 @@ float64 (outputs on every row, padded ones included, and every parameter's gradi
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -258,6 +259,55 @@ def test_nothing_n_by_n_is_built():
     with _Shapes(LENGTH) as probe:
         hidden(model, ids, mask).sum().backward()
     assert probe.ops > 100 and probe.square == []
+
+
+class _Outputs(TorchDispatchMode):
+    """Records (operator, shape) of every tensor an operator returns, forward and backward, except Triton's
+    interpreter's own traffic: it moves each argument's storage as bytes (uint8 copies) and views it back (set_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and name != "set_" and t.dtype != torch.uint8:
+                self.outputs.append((name, tuple(t.shape)))
+        return out
+
+
+#: operators that copy a tensor (Tensor.contiguous and reshape copy through clone, casts through _to_copy)
+COPIES = {"clone", "copy_", "_to_copy", "cat", "stack", "index_select"}
+
+
+@SLOW
+def test_memory_is_linear_in_n_and_q_k_v_are_not_copied():
+    """Past the length where the log buckets saturate (|δ| ≥ 16 here), no tensor of the patched forward and backward
+    holds B·H·N² elements (the relation projections are [B·H·N, C], C bounded by the map), and no q, k, v or O of
+    a layer, nor a gradient of one, is copied: the Linear outputs reach the kernels as [B, H, N, d] views of
+    [B, N, H, d], and the gradients leave in that order (the padded rows' too). HF's own code does both, so the
+    probe can see them."""
+    batch, n, heads, head_dim = 2, 64, 2, 16
+    ids = torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    mask = torch.ones(batch, n, dtype=torch.long, device=DEVICE)
+    mask[0, n - 9 :] = 0  # padded queries: their rows and gradients take their own path
+    qkv = {(batch, n, heads, head_dim), (batch, heads, n, head_dim), (batch, n, heads * head_dim)}
+    qkv.add((batch * heads, n, head_dim))  # HF's [B·H, N, d]
+
+    def probe(model: torch.nn.Module) -> tuple[list, list]:
+        with _Outputs() as recorded:
+            hidden(model, ids, mask).sum().backward()
+        large = [(op, shape) for op, shape in recorded.outputs if math.prod(shape) >= batch * heads * n * n]
+        copies = [(op, shape) for op, shape in recorded.outputs if op in COPIES and shape in qkv]
+        return large, copies
+
+    model = build(config(position_buckets=8, max_relative_positions=16))
+    own_large, own_copies = probe(model)
+    assert own_large and own_copies
+    integrations.patch(model)
+    assert probe(model) == ([], [])
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -188,6 +188,35 @@ def test_nothing_pairwise_is_built(step: dict) -> None:
     assert any("threshold_backward" in op for op, _ in step["shapes"])  # the backward was recorded too (ReLU's)
 
 
+def _copies(shapes: list[tuple[str, tuple[int, ...]]], n: int, m: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The copies (clone: .contiguous() and copying reshapes; _to_copy: casts; cat, stack, copy_) of a tensor shaped
+    like a layer's q, k, v or O ([B, H, L, d], [B, L, H, d] or [B, L, H·d], L the encoder or decoder length)."""
+    b, h, d = 2, 2, 16
+    qkv = {shape for length in (n, m) for shape in ((b, h, length, d), (b, length, h, d), (b, length, h * d))}
+    copies = ("aten.clone", "aten._to_copy", "aten.cat", "aten.stack", "aten.copy_")
+    return [(op, shape) for op, shape in shapes if op.startswith(copies) and shape in qkv]
+
+
+@SLOW
+def test_q_k_v_are_not_copied() -> None:
+    """No q, k, v or O of a patched layer, nor a gradient of one, is copied in a training step without a cache
+    (use_cache=False; with one, HF's DynamicCache concatenates each decoder layer's k, v onto it in [B, H, L, d]
+    order and its backward copies their gradients back, patched or not). HF's own step copies its attention output
+    (.contiguous() after the transpose), so the probe can see copies. Padded keys everywhere, no decoder row
+    without a key (the correction of such rows sends its gradients in [B, H, L, d] order)."""
+    model = _model(**ONE_LAYER)
+    reference = copy.deepcopy(model)
+    relgen.integrations.patch(model)
+    batch = {**_batch(N, M), "decoder_attention_mask": _padding([(0, 3), (0, M // 5)], M), "use_cache": False}
+    with _relgen_warnings() as messages, _Shapes() as recorded:
+        _step(model, batch)
+    with _Shapes() as reference_recorded:
+        _step(reference, batch)
+    assert messages == []
+    assert _copies(recorded.shapes, N, M) == []
+    assert _copies(reference_recorded.shapes, N, M)
+
+
 # -------------------------------------------------------------------------------------------------------- generation
 
 

@@ -194,12 +194,35 @@ def _attention_forward(
 
     aq = table(module.key_proj if module.share_att_key else module.pos_key_proj) if state.c2p else None
     ak = table(module.query_proj if module.share_att_key else module.pos_query_proj) if state.p2c else None
-    real = attention_mask.bool()
+    real = attention_mask.bool()  # the encoder hands its layers a bool mask: no cast here, none per layer
     dropout_p = module.dropout.p if module.dropout.training else 0.0
     out = state.mechanism(q, k, v, aq=aq, ak=ak, key_padding_mask=real, dropout_p=dropout_p)
-    # HF masks a padded query's every score: its softmax is uniform over all N keys, padded ones included
-    out = torch.where(real[:, None, :, None], out, v.mean(dim=2, keepdim=True))
+    out = _PaddedRows.apply(out, v, (~real)[:, None, :, None])
+    # out keeps q's [B, N, H, d] storage order (the kernels' O follows q's strides): a view, not a copy
     return out.transpose(1, 2).reshape(batch, length, heads * head_dim), None
+
+
+class _PaddedRows(torch.autograd.Function):
+    """HF masks a padded query's every score: its softmax is uniform over all N keys, padded ones included, so its
+    output is v̄ = mean_j v_j, and its gradient reaches v only, (1/N)·Σ_{padded i} dO_i on every key.
+
+    torch.where(padded, v̄, o) differentiated by autograd would materialise that gradient as a [B, H, N, d] tensor
+    in [B, H, N, d] order, summed with the kernels' dV into a tensor of that order too, which the view back to
+    value_proj's [B, N, H·d] output then copies: here the gradient stays a broadcast [B, H, 1, d], and dO's other
+    part keeps dO's order."""
+
+    @staticmethod
+    def forward(ctx: Any, o: torch.Tensor, v: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(padded)
+        ctx.v_shape = v.shape
+        return torch.where(padded, v.mean(dim=2, keepdim=True), o)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (padded,) = ctx.saved_tensors
+        rows = padded[:, 0, :, 0].to(grad.dtype)  # [B, N]
+        dvbar = torch.einsum("bhid,bi->bhd", grad, rows).unsqueeze(2) / ctx.v_shape[2]
+        return grad.masked_fill(padded, 0), dvbar.expand(ctx.v_shape), None
 
 
 def _prepare_encoder(encoder: nn.Module) -> None:
@@ -242,13 +265,14 @@ def _encoder_forward(
     from transformers.modeling_outputs import BaseModelOutput
 
     rel_embeddings = encoder.get_rel_embedding()
+    real = attention_mask.bool()  # once per forward (the convolution layer takes the caller's mask)
     all_hidden_states = (hidden_states,) if output_hidden_states else None
     all_attentions = () if output_attentions else None
     states = hidden_states
     for i, layer in enumerate(encoder.layer):
         states, weights = layer(
             states,
-            attention_mask,
+            real,
             relative_pos=relative_pos,
             rel_embeddings=rel_embeddings,
             output_attentions=output_attentions,

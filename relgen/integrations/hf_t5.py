@@ -137,6 +137,7 @@ class _Mask:
         pattern = arguments.get("mask_function")
         self.causal = {causal_mask_function: True, bidirectional_mask_function: False}.get(pattern)
         self._dense: dict[str | None, Any] = {}
+        self._additive: dict[torch.dtype, torch.Tensor | None] = {}
 
     def unserved(self) -> str | None:
         if self.causal is None:
@@ -172,6 +173,17 @@ class _Mask:
         else:
             rows = (~keys.any(dim=1, keepdim=True)).expand(-1, self.q_length)
         return rows if bool(rows.any()) else None
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """HF's additive padding mask as [B, 1, 1, Nk] (0, or finfo.min on a padded key), for SDPA; built once per
+        stack call and dtype, not per cross-attention layer. None when no key is padding."""
+        if dtype not in self._additive:
+            keys, additive = self.key_padding_mask, None
+            if keys is not None:
+                additive = torch.zeros(keys.shape, dtype=dtype, device=keys.device)
+                additive = additive.masked_fill(~keys, torch.finfo(dtype).min)[:, None, None, :]
+            self._additive[dtype] = additive
+        return self._additive[dtype]
 
     def dense(self, implementation: str | None) -> Any:
         """The mask HF builds for `implementation` (None where HF builds none)."""
@@ -361,7 +373,7 @@ def _attention(
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     keys = mask.key_padding_mask
     if position_bias.table is None:
-        out = _plain(query, key, value, keys, dropout, scale)
+        out = _plain(query, key, value, mask.additive(query.dtype), dropout, scale)
     else:
         fn = position_bias.state.mechanism(causal=bool(mask.causal))
         out = fn(
@@ -395,14 +407,10 @@ def _own_attention(
 
 
 def _plain(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor | None, dropout: float, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None, dropout: float, scale: float
 ) -> torch.Tensor:
-    """Cross-attention: HF's additive padding mask as [B, 1, 1, Nk] rather than [B, H, Nq, Nk]. A query whose keys
-    are all padding gets HF's uniform softmax, the scores all being finfo.min."""
-    additive = None
-    if keys is not None:
-        additive = torch.zeros(keys.shape, dtype=q.dtype, device=q.device)
-        additive = additive.masked_fill(~keys, torch.finfo(q.dtype).min)[:, None, None, :]
+    """Cross-attention: HF's additive padding mask as [B, 1, 1, Nk] (_Mask.additive) rather than [B, H, Nq, Nk]. A
+    query whose keys are all padding gets HF's uniform softmax, the scores all being finfo.min."""
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, scale=scale)
 
 
@@ -416,7 +424,9 @@ def _keyless(
     spread = torch.einsum("bhjd,bhje->bhde", (v - vbar).detach(), k) * (scale / k.shape[2])
     tangent = torch.einsum("bhde,bhie->bhid", spread, q)
     fill = vbar + (tangent - tangent.detach())
-    return torch.where(rows[:, None, :, None], fill.to(out.dtype), out)
+    # `out` first: the result takes its [B, Nq, H, d] storage order (the fill's is [B, H, Nq, d]), so that the
+    # caller's transpose back to [B, Nq, H, d] is a view. The fill's gradients (to q, k) keep the einsums' order.
+    return torch.where(~rows[:, None, :, None], out, fill.to(out.dtype))
 
 
 def _matches_self(module: nn.Module) -> bool:
