@@ -113,8 +113,9 @@ def test_padding_dropout_and_offsets():
 
 
 @pytest.mark.parametrize("name", ["txl_uv", "deberta_v3"])
-def test_grouped_query_attention_in_bnhd(name):
+def test_grouped_query_attention_in_bnhd(monkeypatch, name):
     spec = spec_of(name)
+    monkeypatch.setattr(in_tile(spec), "_END_CHUNK", 7)  # the end columns' gradients summed over chunks of tokens
     inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=35, nk=29, layout="bnhd", seed=6)
     assert_all_close(compare(spec, inputs, layout="bnhd"), f"{name} GQA 2, bnhd")
 
