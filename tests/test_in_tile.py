@@ -76,6 +76,8 @@ def compare(spec, inputs: Inputs, dtype=None, keep_mask=None, oracle=reference.a
         ("txl_uv", 37, 37),  # a bias term read per pair, not folded
         ("wav2vec2_bert", 33, 29),  # tables shared by the heads
         (SATURATING, 40, 33),  # end columns: saturated tiles and band tiles' edge pairs
+        (SATURATING, 1, 17),  # one query (the kernels' twins without length specialisation)
+        ("txl", 17, 1),  # one key: C = 17, a single diagonal
     ],
     ids=lambda case: case["name"] if isinstance(case, dict) else None,
 )
