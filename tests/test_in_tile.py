@@ -75,6 +75,8 @@ def compare(spec, inputs: Inputs, dtype=None, keep_mask=None, oracle=reference.a
         ("deberta_v3", 30, 61),  # query and key terms, bucket copies
         ("txl_uv", 37, 37),  # a bias term read per pair, not folded
         ("wav2vec2_bert", 33, 29),  # tables shared by the heads
+        ("t5", 33, 29),  # a bias term alone: db̃ without dZ̃
+        ("t5_decoder", 40, 40),  # causal
         (SATURATING, 40, 33),  # end columns: saturated tiles and band tiles' edge pairs
         (SATURATING, 1, 17),  # one query (the kernels' twins without length specialisation)
         ("txl", 17, 1),  # one key: C = 17, a single diagonal
