@@ -238,3 +238,36 @@ def test_backward_is_bitwise_deterministic_on_gpu(name):
         runs.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
     for leaf, a, b in zip(inputs.leaves, *runs, strict=True):
         assert torch.equal(a, b), f"d{leaf} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [32768])
+def test_memory_within_twice_plain_attention_on_gpu(n):
+    """Transformer-XL at long N (fp16, B = 1, H = 12, d = 64): the peak of forward + backward above the inputs is at
+    most twice plain SDPA's (flash) at the same shapes, where the stored path keeps N × (2N − 1) entries per head."""
+    import torch.nn.functional as F
+
+    spec = spec_of("txl")
+    inputs = make_inputs(spec, b=1, h=12, nq=n, d=64, dtype=torch.float16, device="cuda", seed=0)
+    do = torch.randn_like(inputs.q)
+
+    def peak(step) -> int:
+        step()  # compiled and warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    def relgen_step():
+        torch.autograd.grad(run(spec, inputs), list(inputs.leaves.values()), do)
+
+    def sdpa_step():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(inputs.q, inputs.k, inputs.v)
+        torch.autograd.grad(out, [inputs.q, inputs.k, inputs.v], do)
+
+    ours, plain = peak(relgen_step), peak(sdpa_step)
+    assert ours <= 2 * plain, f"N={n}: peak {ours / 2**20:.0f} MiB against SDPA's {plain / 2**20:.0f} MiB"
