@@ -116,6 +116,15 @@ def test_padding_dropout_and_offsets():
     assert_all_close(results, "padding, dropout, q_offset 6, k_offset 2")
 
 
+@pytest.mark.parametrize(("name", "causal"), [("txl", False), ("txl_uv", True)])
+def test_offsets_on_the_identity_map(name, causal):
+    """q_offset ≠ k_offset: the table's 2L − 1 rows, L = max(q_offset + Nq, k_offset + Nk), reach beyond the pairs'
+    offsets, and those rows' gradients are 0."""
+    spec = spec_of(name, causal=causal)
+    inputs = make_inputs(spec, b=1, h=2, nq=33, nk=21, d=16, device=DEVICE, seed=3, length=38)
+    assert_all_close(compare(spec, inputs, q_offset=5, k_offset=9), f"{name} causal={causal} offsets 5, 9")
+
+
 @pytest.mark.parametrize("name", ["txl_uv", "deberta_v3"])
 def test_grouped_query_attention_in_bnhd(monkeypatch, name):
     spec = spec_of(name)
