@@ -78,6 +78,7 @@ def compare(spec, inputs: Inputs, dtype=None, keep_mask=None, oracle=reference.a
         ("t5", 33, 29),  # a bias term alone: db̃ without dZ̃
         ("t5_decoder", 40, 40),  # causal
         (SATURATING, 40, 33),  # end columns: saturated tiles and band tiles' edge pairs
+        ({"name": "k", "terms": ["key"], "map": {"kind": "clipped", "min": -5, "max": 9}}, 37, 30),  # key term alone
         (SATURATING, 1, 17),  # one query (the kernels' twins without length specialisation)
         ("txl", 17, 1),  # one key: C = 17, a single diagonal
     ],
