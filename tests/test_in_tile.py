@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_layouts import layout_inputs
+from tiers import slow_values
 
 import relgen
 from relgen import reference
@@ -23,6 +24,8 @@ from relgen.testing import check_close, dropout_keep_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: a key term alone (the query pass forms no relation gradient)
+KEY_ONLY = {"name": "k", "terms": ["key"], "map": {"kind": "clipped", "min": -5, "max": 9}}
 #: a small clipped map whose band tiles hold end-column pairs, with every term (b̃ read per pair, not folded)
 SATURATING = {"name": "qkb", "terms": ["query", "key", "bias"], "map": {"kind": "clipped", "min": -7, "max": 5}}
 
@@ -66,22 +69,29 @@ def compare(spec, inputs: Inputs, dtype=None, keep_mask=None, oracle=reference.a
 
 
 # -- exactness -------------------------------------------------------------------------------------------------
+#: the fast tier keeps one case of each feature
+MATCHED_SLOW = [("txl", 30, 61), ("shaw", 45, 20), ("wav2vec2_bert", 33, 29), ("t5_decoder", 40, 40), ("txl", 17, 1)]
+
+
 @pytest.mark.parametrize(
     ("name", "nq", "nk"),
-    [
-        ("txl", 40, 40),
-        ("txl", 30, 61),  # Nq ≠ Nk: the diagonals' range clipped by either side
-        ("shaw", 45, 20),
-        ("deberta_v3", 30, 61),  # query and key terms, bucket copies
-        ("txl_uv", 37, 37),  # a bias term read per pair, not folded
-        ("wav2vec2_bert", 33, 29),  # tables shared by the heads
-        ("t5", 33, 29),  # a bias term alone: db̃ without dZ̃
-        ("t5_decoder", 40, 40),  # causal
-        (SATURATING, 40, 33),  # end columns: saturated tiles and band tiles' edge pairs
-        ({"name": "k", "terms": ["key"], "map": {"kind": "clipped", "min": -5, "max": 9}}, 37, 30),  # key term alone
-        (SATURATING, 1, 17),  # one query (the kernels' twins without length specialisation)
-        ("txl", 17, 1),  # one key: C = 17, a single diagonal
-    ],
+    slow_values(
+        [
+            ("txl", 40, 40),
+            ("txl", 30, 61),  # Nq ≠ Nk: the diagonals' range clipped by either side
+            ("shaw", 45, 20),
+            ("deberta_v3", 30, 61),  # query and key terms, bucket copies
+            ("txl_uv", 37, 37),  # a bias term read per pair, not folded
+            ("wav2vec2_bert", 33, 29),  # tables shared by the heads
+            ("t5", 33, 29),  # a bias term alone: db̃ without dZ̃
+            ("t5_decoder", 40, 40),  # causal
+            (SATURATING, 40, 33),  # end columns: saturated tiles and band tiles' edge pairs
+            (KEY_ONLY, 37, 30),
+            (SATURATING, 1, 17),  # one query (the kernels' twins without length specialisation)
+            ("txl", 17, 1),  # one key: C = 17, a single diagonal
+        ],
+        slow=MATCHED_SLOW,
+    ),
     ids=lambda case: case["name"] if isinstance(case, dict) else None,
 )
 def test_matches_the_reference(name, nq, nk):
@@ -90,7 +100,11 @@ def test_matches_the_reference(name, nq, nk):
     assert_all_close(compare(spec, inputs), f"{spec.name} Nq={nq} Nk={nk}")
 
 
-@pytest.mark.parametrize("name", ["txl", "shaw", "deberta_v3", "txl_uv", SATURATING], ids=str)
+@pytest.mark.parametrize(
+    "name",
+    slow_values(["txl", "shaw", "deberta_v3", "txl_uv", SATURATING], slow=["shaw", "deberta_v3", "txl_uv"]),
+    ids=str,
+)
 def test_causal(name):
     spec = spec_of(name, causal=True)
     inputs = make_inputs(spec, b=1, h=2, nq=41, nk=41, d=16, device=DEVICE, seed=2)
@@ -117,7 +131,7 @@ def test_padding_dropout_and_offsets():
     assert_all_close(results, "padding, dropout, q_offset 6, k_offset 2")
 
 
-@pytest.mark.parametrize(("name", "causal"), [("txl", False), ("txl_uv", True)])
+@pytest.mark.parametrize(("name", "causal"), slow_values([("txl", False), ("txl_uv", True)], slow=[("txl_uv", True)]))
 def test_offsets_on_the_identity_map(name, causal):
     """q_offset ≠ k_offset: the table's 2L − 1 rows, L = max(q_offset + Nq, k_offset + Nk), reach beyond the pairs'
     offsets, and those rows' gradients are 0."""
@@ -126,7 +140,7 @@ def test_offsets_on_the_identity_map(name, causal):
     assert_all_close(compare(spec, inputs, q_offset=5, k_offset=9), f"{name} causal={causal} offsets 5, 9")
 
 
-@pytest.mark.parametrize("name", ["txl_uv", "deberta_v3"])
+@pytest.mark.parametrize("name", slow_values(["txl_uv", "deberta_v3"], slow=["txl_uv"]))
 def test_grouped_query_attention_in_bnhd(monkeypatch, name):
     spec = spec_of(name)
     monkeypatch.setattr(in_tile(spec), "_END_CHUNK", 7)  # the end columns' gradients summed over chunks of tokens
@@ -134,21 +148,24 @@ def test_grouped_query_attention_in_bnhd(monkeypatch, name):
     assert_all_close(compare(spec, inputs, layout="bnhd"), f"{name} GQA 2, bnhd")
 
 
-@pytest.mark.parametrize(("name", "left", "right"), [("shaw", 9, 0), ("txl", 6, 3), ("deberta_v3", 3, 2)])
+@pytest.mark.parametrize(
+    ("name", "left", "right"),
+    slow_values([("shaw", 9, 0), ("txl", 6, 3), ("deberta_v3", 3, 2)], slow=[("shaw", 9, 0), ("deberta_v3", 3, 2)]),
+)
 def test_local_windows(name, left, right):
     spec = spec_of(name, window={"left": left, "right": right})
     inputs = make_inputs(spec, b=1, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=left)
     assert_all_close(compare(spec, inputs), f"{name} window [{left}, {right}]")
 
 
-@pytest.mark.parametrize("name", ["txl_uv", "deberta_v3"])
+@pytest.mark.parametrize("name", slow_values(["txl_uv", "deberta_v3"], slow=["deberta_v3"]))
 def test_head_dim_not_a_power_of_two(name):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=33, nk=27, d=24, device=DEVICE, seed=7)
     assert_all_close(compare(spec, inputs), f"{name} d=24")
 
 
-@pytest.mark.parametrize("name", ["txl", "deberta_v3"])
+@pytest.mark.parametrize("name", slow_values(["txl", "deberta_v3"], slow=["deberta_v3"]))
 def test_half_precision(name):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=50, nk=43, d=16, dtype=torch.float16, device=DEVICE, seed=8)
@@ -168,7 +185,7 @@ def test_backward_is_bitwise_deterministic():
         assert torch.equal(a, b), f"d{name} differs between two runs"
 
 
-@pytest.mark.parametrize("name", ["txl", "txl_uv"])
+@pytest.mark.parametrize("name", slow_values(["txl", "txl_uv"], slow=["txl_uv"]))
 def test_backward_keeps_no_gradient_buffer(monkeypatch, name):
     """No dZ̃ (N × W per head: W = 2N − 1 for the identity map) is allocated: GradientBuffer is never built, and no
     tensor the backward allocates is larger than the table gradient [H, 2N − 1, d] or an input [B, H, N, d]."""
