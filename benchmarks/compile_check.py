@@ -6,8 +6,11 @@ spills (Triton's bundled ptxas -v) and shared memory. Compile errors the interpr
 globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
-        [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections]
+        [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections] [--relations in_tile]
         [--dropout-seed int|tensor] [--k-offset 0] [--head-dim 64] [--kv-heads 2] [--layout bhnd|bnhd]
+
+--relations in_tile: the plan's in-tile relation products (the variant ablation no_projections runs), for any spec
+the variant serves (a bias term included, which the ablation refuses).
 
 --k-offset K: the call's keys (and queries) start at position K; with dropout, a K that is not a multiple of four
 compiles the kernels' one-Philox-call-per-score mode (relgen.runtime.dropout).
@@ -40,6 +43,7 @@ def record(
     kv_heads: int = 2,
     layout: str = "bhnd",
     k_offset: int = 0,
+    relations: str | None = None,
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -97,6 +101,8 @@ def record(
     mechanism = relgen.compile_mechanism(spec)
     # an ablation's variant is its own kernel family (tuning.plan_family), with its own tiles
     module = mechanism._ablated(mechanism.module, ablation, {})[0] if ablation else mechanism.module
+    if relations is not None:
+        module = mechanism._variant(module, relations=relations)
     plan = module.PLAN
     terms = tuple(plan.terms)
     # the configuration the GPU would run at `config_for` tokens: the committed table's entry for this
@@ -130,7 +136,10 @@ def record(
     if dropout_seed is not None:  # the dropout kernels, with the seed as an int or read from a tensor
         options |= {"dropout_p": 0.1, "dropout_seed": 5 if dropout_seed == "int" else torch.tensor([5])}
     with select.override_config(cfg):
-        out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation, **options)
+        if relations is not None:
+            out = module.attention(q, k, v, tables.get("aq"), tables.get("ak"), tables.get("bias"), **options)
+        else:
+            out = relgen.compile_mechanism(spec)(q, k, v, **tables, ablation=ablation, **options)
         out.sum().backward()
     seen, unique = set(), []
     for launch in launches:
@@ -263,6 +272,9 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64, help="d of the recorded call (and of its tiles)")
     parser.add_argument("--kv-heads", type=int, default=2, choices=(1, 2), help="key/value heads (of 2 query heads)")
     parser.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd"), help="layout of q, k, v")
+    parser.add_argument(
+        "--relations", default=None, choices=("in_tile",), help="compile the plan with these relation products"
+    )
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
@@ -281,6 +293,7 @@ def main() -> int:
         args.kv_heads,
         args.layout,
         args.k_offset,
+        args.relations,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

@@ -259,7 +259,8 @@ def _literal(value: object, field: str) -> Source:
 class GenerationFlags:
     reads_zq: bool  # Z̃^Q is stored (query term; b folded in when present)
     reads_zk: bool  # Z̃^K is stored (key term)
-    bias_mode: Source  # "none", "folded_query", "folded_key" or "vector" (bias-only: b̃ read per score)
+    # "none", "folded_query", "folded_key" or "vector" (b̃ read per score: bias-only schemes, in-tile products)
+    bias_mode: Source
     dz_query: bool  # the query-parallel pass writes dZ̃^Q
     dz_key: bool  # the key-parallel pass writes dZ̃^K
     saturates: bool  # band tiles may hold offsets beyond [L, U] (every map but identity's)
@@ -296,8 +297,11 @@ class GenerationFlags:
     @classmethod
     def from_plan(cls, plan: Plan | PlanValues) -> GenerationFlags:
         values = plan if isinstance(plan, PlanValues) else PlanValues.of(plan)
+        in_tile = values.relations == "in_tile"
         if not values.has_bias:
             bias_mode = "none"
+        elif in_tile:  # no projection to fold b̃ into: every band score reads b̃_s, as a bias-only scheme's does
+            bias_mode = "vector"
         elif values.has_query:
             bias_mode = "folded_query"
         elif values.has_key:
@@ -310,7 +314,6 @@ class GenerationFlags:
         # a windowed identity map expands only the window's offsets: pairs beyond them (all masked) then read the
         # end columns like a saturating map's
         saturates = not values.length_dependent or values.has_local_window
-        in_tile = values.relations == "in_tile"
         by_row = values.projections == "by_row"
         by_offset = not in_tile and not by_row  # band tiles read stored projections at their offset's column
         return cls(

@@ -117,7 +117,10 @@ def default_config(
         num_warps=8 if big_d and not fp32 else 4,
         num_stages=3 if not big_d else 2,
     )
-    bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=4 if not big_d else 8, num_stages=2)
+    # in-tile products: the backward's passes also skew dS back onto the band (_unskew) and the table pass holds
+    # [2B, d] fp32 accumulators; with 4 warps TXL's query pass spills 3.8 KB per thread at 8K, with 8 warps 1.2 KB
+    # (benchmarks/compile_check.py, sm_90)
+    bwd = AttnTiles(64, 64 if not (big_d or fp32) else 32, num_warps=8 if big_d or in_tile else 4, num_stages=2)
     return KernelConfig(
         group=128,
         forward=fwd,
