@@ -29,7 +29,14 @@ from relgen.backend import configure_triton
 from relgen.plan.analyze import Plan, analyze
 from relgen.runtime.arguments import PACKING_OPTIONS, prepare_call, reach
 from relgen.runtime.geometry import Geometry
-from relgen.runtime.memory import auto_strategy, check_strategy, in_tile_refusal, projection_budget, projection_memory
+from relgen.runtime.memory import (
+    auto_strategy,
+    check_strategy,
+    in_tile_refusal,
+    projection_budget,
+    projection_memory,
+    resolve_strategy,
+)
 from relgen.runtime.storage import projection_storage
 from relgen.spec.limits import MAX_SEQ_LEN
 from relgen.spec.model import MechanismSpec, load_spec
@@ -142,7 +149,7 @@ class Mechanism:
             _SPECS[self.plan.spec_hash] = spec
         self._variants: dict[tuple, ModuleType] = {}
         self._variants_lock = threading.Lock()
-        #: "auto"'s choice ("stored" or "tiled") per kind of call (Mechanism._tiles)
+        #: "auto"'s choice ("stored" or "tiled") per kind of call (Mechanism._auto)
         self._choices: dict[tuple, str] = {}
 
     def module_for(self, window: int) -> ModuleType:
@@ -204,29 +211,28 @@ class Mechanism:
     def strategy_module(self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options) -> ModuleType:
         """`module`, or its in-tile variant (built once) where `strategy` ("auto", "stored" or "tiled") has the
         call form its relation products inside the tiles."""
-        if strategy == "stored" or not self._projects:  # bias only: nothing to store, "tiled" is "stored"
+        if strategy == "stored" or not self._projects:
             return module
         refusal = in_tile_refusal(
             self.plan, head_dim=_head_dim(q), packed=_packed(options), compiling=torch.compiler.is_compiling()
         )
-        if strategy == "tiled" and refusal:
-            raise NotImplementedError(f"projections='tiled': {refusal}")
-        if strategy == "tiled" or (not refusal and self._tiles(module, q, k, v, aq, ak, bias, options)):
-            return self._variant(module, relations="in_tile")
-        return module
+        chosen = resolve_strategy(
+            strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options)
+        )
+        return self._variant(module, relations="in_tile") if chosen == "tiled" else module
 
     @property
     def _projects(self) -> bool:
         """Whether the spec has a projection to store or to form in the tiles (a query or key term)."""
         return self.plan.has_query or self.plan.has_key
 
-    def _tiles(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> bool:
-        """Whether "auto" forms this call's relation products inside the tiles: its stored projections' memory
+    def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> str:
+        """The choice of "auto" for a call the in-tile variant serves: "tiled" where its stored projections' memory
         (relgen.runtime.memory.projection_memory, at the backward's peak when autograd will differentiate the
         call) exceeds the budget. Decided once per kind of call (shapes, dtype, device, offsets, layout), from the
         geometry the call's own checks derive."""
         if not isinstance(q, torch.Tensor):
-            return False  # the call's own checks name the problem
+            return "stored"  # the call's own checks name the problem
         backward = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, aq, ak, bias)
         )
@@ -244,7 +250,7 @@ class Mechanism:
                     if len(self._choices) >= KEPT_CHOICES:
                         self._choices.clear()
                     self._choices[key] = choice
-        return choice == "tiled"
+        return choice
 
     @staticmethod
     def geometry(module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> Geometry:

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
 import torch
 
-from relgen.runtime.geometry import Geometry
+from relgen.runtime.geometry import Geometry, PlanInfo
+from relgen.runtime.storage import projection_storage
 from relgen.tiles.configs import head_block
+from relgen.tiles.select import select_config
 
 #: the values of a call's `projections=` option
 PROJECTION_STRATEGIES = ("auto", "stored", "tiled")
@@ -140,6 +143,34 @@ def auto_strategy(memory: ProjectionMemory, budget: int, backward: bool, geo: Ge
     return "tiled"
 
 
+def resolve_strategy(strategy: str, projects: bool, refusal: str | None, auto: Callable[[], str]) -> str:
+    """The strategy a call runs, "stored" or "tiled", for its `projections=` option `strategy`: `projects`, whether
+    the spec has a query or key term (without one "tiled" is "stored": nothing is stored); `refusal`,
+    in_tile_refusal's for the call ("tiled" then raises NotImplementedError naming it, "auto" stores); `auto`,
+    the choice of "auto" where the in-tile variant serves the call (auto_strategy), asked only then."""
+    if strategy == "stored" or not projects:
+        return "stored"
+    if refusal:
+        if strategy == "tiled":
+            raise NotImplementedError(f"projections='tiled': {refusal}")
+        return "stored"
+    return "tiled" if strategy == "tiled" else auto()
+
+
+def dense_geometry(
+    plan: PlanInfo, *, batch: int, heads: int, nq: int, nk: int, head_dim: int, dtype: torch.dtype, group: int
+) -> Geometry:
+    """The Geometry of a dense call without offsets, mask or dropout, as prepare_call derives it from such a call's
+    tensors, for sizing its buffers without them (relgen explain), with the kernels' group size G = `group`."""
+    length = max(nq, nk)
+    config = select_config(plan, dtype, head_dim, length)
+    return Geometry.make(
+        plan, batch=batch, heads=heads, nq=nq, nk=nk, head_dim=head_dim, length=length, doff=0, dtype=dtype,
+        scale=1.0, dropout_p=0.0, seed=0, config=replace(config, group=group) if config.group != group else config,
+        fp16_storage=projection_storage() == "fp16",
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the budget
 # ------------------------------------------------------------------------------------------------------------
@@ -170,6 +201,17 @@ def set_projection_budget(budget: int | str | None) -> None:
     forms them inside the tiles, for every later call in this process; None: back to $RELGEN_PROJECTION_BUDGET,
     else the device's default (projection_budget)."""
     _explicit[:] = [parse_budget(budget, "budget")] if budget is not None else []
+
+
+def budget_origin(device: torch.device | str | None = None) -> str:
+    """Where projection_budget(device) comes from, in words (relgen explain)."""
+    projection_budget(device)  # reads the environment once
+    if _explicit and _explicit[0] is not None:
+        return f"set_projection_budget or ${PROJECTION_BUDGET_ENV}"
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return "the default without a CUDA device"
+    return f"1/{DEVICE_SHARE} of {torch.cuda.get_device_name(device)}'s memory"
 
 
 def projection_budget(device: torch.device | str | None = None) -> int:
