@@ -1,6 +1,8 @@
 """The `relgen` command line.
 
-    relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON)
+    relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON), and the memory of the
+        [--batch B --heads H --head-dim D            relation products stored or formed in the tiles, with which one
+         --dtype fp16 --budget BYTES]                projections="auto" runs (relgen.runtime.memory)
     relgen validate SPEC...                        load and analyze each spec, one line per spec
     relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.cli.commands.cli_build)
     relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.cli.commands.cli_check)

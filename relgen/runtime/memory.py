@@ -9,8 +9,11 @@ memory each needs, and which one a call's `projections=` option runs.
                            in-tile variant serves the call (in_tile_refusal), else stored
 
 A spec without a query or key term (bias only) stores no projection: there "tiled" runs the same kernels as
-"stored". The choice is made on the host from the call's shapes (a Geometry), once per kind of call: no device
-synchronisation.
+"stored". A call the in-tile variant does not serve is stored under "auto" whatever the budget: where its buffers
+exceed the device, torch's allocator fails naming the size (recompute_projections=True does not lower the
+backward's peak; a spec the in-tile kernels serve, or shorter chunks through relgen.distributed, do). The choice
+is made on the host from the call's shapes (a Geometry), once per kind of call: no device synchronisation.
+docs/algorithm.md section 10 states the memory model.
 """
 
 from __future__ import annotations
