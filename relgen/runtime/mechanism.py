@@ -27,7 +27,7 @@ import torch
 
 from relgen.backend import configure_triton
 from relgen.plan.analyze import Plan, analyze
-from relgen.runtime.arguments import PACKING_OPTIONS, prepare_call, reach
+from relgen.runtime.arguments import prepare_call, reach
 from relgen.runtime.geometry import Geometry
 from relgen.runtime.memory import (
     auto_strategy,
@@ -82,8 +82,15 @@ def _head_dim(q: Any) -> int | None:
     return int(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() > 0 else None
 
 
+def _differentiated(tensors: tuple) -> bool:
+    """Whether autograd will differentiate a call of these arguments (one of them requires grad)."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _packed(options: dict[str, Any]) -> bool:
-    return any(options.get(name) is not None for name in PACKING_OPTIONS)
+    """Whether the call packs its sequences (max_seqlen alone is refused by the call's own checks)."""
+    get = options.get
+    return get("cu_seqlens") is not None or get("cu_seqlens_q") is not None or get("cu_seqlens_k") is not None
 
 
 #: The longest window a map whose saturation could not be proven is re-planned for (1 + the largest |δ| a call
@@ -151,6 +158,10 @@ class Mechanism:
         self._variants_lock = threading.Lock()
         #: "auto"'s choice ("stored" or "tiled") per kind of call (Mechanism._auto)
         self._choices: dict[tuple, str] = {}
+        #: whether the spec has a projection to store or to form in the tiles (a query or key term)
+        self._projects = self.plan.has_query or self.plan.has_key
+        #: in_tile_refusal's answer per (head dim, packed, compiling)
+        self._refusals: dict[tuple, str | None] = {}
 
     def module_for(self, window: int) -> ModuleType:
         """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
@@ -213,18 +224,16 @@ class Mechanism:
         call form its relation products inside the tiles."""
         if strategy == "stored" or not self._projects:
             return module
-        refusal = in_tile_refusal(
-            self.plan, head_dim=_head_dim(q), packed=_packed(options), compiling=torch.compiler.is_compiling()
-        )
+        facts = (_head_dim(q), _packed(options), torch.compiler.is_compiling())
+        refusal = self._refusals.get(facts, False)
+        if refusal is False:  # the plan is fixed: one refusal per (head dim, packed, compiling)
+            refusal = self._refusals[facts] = in_tile_refusal(
+                self.plan, head_dim=facts[0], packed=facts[1], compiling=facts[2]
+            )
         chosen = resolve_strategy(
             strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options)
         )
         return self._variant(module, relations="in_tile") if chosen == "tiled" else module
-
-    @property
-    def _projects(self) -> bool:
-        """Whether the spec has a projection to store or to form in the tiles (a query or key term)."""
-        return self.plan.has_query or self.plan.has_key
 
     def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> str:
         """The choice of "auto" for a call the in-tile variant serves: "tiled" where its stored projections' memory
@@ -233,19 +242,21 @@ class Mechanism:
         geometry the call's own checks derive."""
         if not isinstance(q, torch.Tensor):
             return "stored"  # the call's own checks name the problem
-        backward = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, aq, ak, bias)
-        )
-        budget = projection_budget(q.device)
+        backward = torch.is_grad_enabled() and _differentiated((q, k, v, aq, ak, bias))
+        device = q.device
+        budget = projection_budget(device)
         key = (
-            module.PLAN.valid_up_to, tuple(q.shape), tuple(k.shape), q.dtype, q.device, options.get("layout"),
+            module.PLAN.valid_up_to, q.shape, k.shape, q.dtype, device, options.get("layout"),
             options.get("q_offset", 0), options.get("k_offset", 0), backward, budget, projection_storage(),
         )  # fmt: skip
-        choice = None if overridden() else self._choices.get(key)
+        try:
+            choice = None if overridden() else self._choices.get(key)
+        except TypeError:  # an unhashable option (a bad one: the call's checks name it)
+            choice = key = None
         if choice is None:
             geo = self.geometry(module, q, k, v, aq, ak, bias, options)
             choice = auto_strategy(projection_memory(geo), budget, backward, geo)
-            if not overridden():  # a forced tile configuration may change G: not kept
+            if key is not None and not overridden():  # a forced tile configuration may change G: not kept
                 with self._variants_lock:
                     if len(self._choices) >= KEPT_CHOICES:
                         self._choices.clear()

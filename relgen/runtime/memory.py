@@ -179,7 +179,7 @@ def dense_geometry(
 # ------------------------------------------------------------------------------------------------------------
 #: [] until read; then [the explicit budget (set_projection_budget's, else $RELGEN_PROJECTION_BUDGET's) or None]
 _explicit: list[int | None] = []
-_device_budgets: dict[int, int] = {}
+_device_budgets: dict[Any, int] = {}  # by the device as given
 
 
 def parse_budget(value: Any, name: str) -> int:
@@ -219,18 +219,22 @@ def budget_origin(device: torch.device | str | None = None) -> str:
 
 def projection_budget(device: torch.device | str | None = None) -> int:
     """The budget calls on `device` use now: set_projection_budget's, else $RELGEN_PROJECTION_BUDGET (read once),
-    else 1/DEVICE_SHARE of a CUDA device's total memory (CPU_BUDGET without one)."""
+    else 1/DEVICE_SHARE of a CUDA device's total memory (CPU_BUDGET without one). Read on every call that
+    "auto" decides: the device's share is kept per device."""
     if not _explicit:
         text = os.environ.get(PROJECTION_BUDGET_ENV)
         _explicit[:] = [parse_budget(text, PROJECTION_BUDGET_ENV) if text else None]
     explicit = _explicit[0] if _explicit else None  # (another thread may have cleared it meanwhile)
     if explicit is not None:
         return explicit
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
-        return CPU_BUDGET
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    budget = _device_budgets.get(index)
+    budget = _device_budgets.get(device)
     if budget is None:
-        budget = _device_budgets[index] = torch.cuda.get_device_properties(index).total_memory // DEVICE_SHARE
+        where = torch.device(device) if device is not None else None
+        if where is None or where.type != "cuda":
+            budget = CPU_BUDGET
+        else:
+            index = where.index if where.index is not None else torch.cuda.current_device()
+            budget = torch.cuda.get_device_properties(index).total_memory // DEVICE_SHARE
+        if where is None or where.type != "cuda" or where.index is not None:  # "cuda" alone follows the current one
+            _device_budgets[device] = budget
     return budget
