@@ -233,7 +233,7 @@ def test_budgets_parse(text, expected):
     assert memory.parse_budget(text, "budget") == expected
 
 
-@pytest.mark.parametrize("text", ["1.5", "-1", "GiB", "20GB", "1e9", "", "0x10", -1, True, 2.0, None])
+@pytest.mark.parametrize("text", ["1.5", "-1", "GiB", "20GB", "1e9", "", "0x10", "\u0663", -1, True, 2.0, None])
 def test_bad_budgets_are_value_errors_naming_the_setting(text):
     with pytest.raises(ValueError, match=r"^budget: expected"):
         set_projection_budget(text) if text is not None else memory.parse_budget(text, "budget")

@@ -38,15 +38,15 @@ PROJECTION_STRATEGIES = ("auto", "stored", "tiled")
 PROJECTION_BUDGET_ENV = "RELGEN_PROJECTION_BUDGET"
 #: the budget's share of a CUDA device's total memory. A call's stored projections sit beside the model's weights,
 #: its optimizer state and every other layer's activations (in training each layer keeps its Z̃ until its
-#: backward), so one call may take a quarter of the device. The total, not the free memory: the same call then
-#: runs the same kernels at every step (a choice that followed the allocator's state could change between steps),
-#: and reading it costs no driver call per call.
+#: backward): a quarter of the device for one call's, the rest for those. The total, not the free memory: the same
+#: call then runs the same kernels at every step (a choice that followed the allocator's state could change between
+#: steps), and reading it costs no driver call per call.
 DEVICE_SHARE = 4
 #: the budget without a CUDA device (Triton's interpreter on the CPU runs test-sized calls only): a fixed 1 GiB,
 #: so that the choice does not depend on the host
 CPU_BUDGET = 1 << 30
 _UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_BUDGET_TEXT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB)?\s*")
+_BUDGET_TEXT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB)?\s*", re.ASCII)
 #: fp32 bytes: the in-tile variant's end columns are formed in fp32 (no storage scale)
 _FP32 = 4
 
@@ -184,7 +184,7 @@ _device_budgets: dict[Any, int] = {}  # by the device as given
 
 def parse_budget(value: Any, name: str) -> int:
     """A budget in bytes: a non-negative int, or text holding one or a number with a binary unit (KiB, MiB, GiB,
-    TiB: "20GiB", "1.5 TiB"). Anything else is a ValueError naming `name`."""
+    TiB: "20GiB", "1.5 TiB", rounded down to whole bytes). Anything else is a ValueError naming `name`."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"{name}: expected a non-negative number of bytes, got {value}")
