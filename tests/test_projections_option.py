@@ -18,6 +18,7 @@ import relgen.distributed as rd
 from relgen.cli.main import main
 from relgen.config import PROJECTION_BUDGET_ENV, set_projection_budget
 from relgen.runtime import memory
+from relgen.testing import dropout_keep_mask
 from relgen.tiles.configs import INTERPRETER_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +108,19 @@ def test_tiled_keeps_recompute_projections_and_options():
     for recompute in (False, True):
         results = compare(spec, inputs, projections="tiled", recompute_projections=recompute, **options)
         assert_all_close(results, f"recompute_projections={recompute}")
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_tiled_serves_grouped_heads_layouts_and_dropout(layout):
+    from test_layouts import layout_inputs
+
+    spec = load("shaw")
+    inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=33, layout=layout, seed=4)
+    assert_all_close(compare(spec, inputs, layout=layout, projections="tiled"), f"grouped heads, {layout}")
+    inputs = make_inputs(spec, b=1, h=2, nq=30, d=D, device=DEVICE, seed=2)
+    keep = dropout_keep_mask((1, 2, 30, 30), 0.2, 7, device=DEVICE)
+    results = compare(spec, inputs, dropout_p=0.2, dropout_seed=7, keep_mask=keep, projections="tiled")
+    assert_all_close(results, "dropout")
 
 
 def test_a_bias_only_spec_runs_the_stored_kernels_under_tiled():
