@@ -17,6 +17,7 @@ import relgen
 import relgen.distributed as rd
 from relgen.cli.main import main
 from relgen.config import PROJECTION_BUDGET_ENV, set_projection_budget
+from relgen.plan.analyze import GROUP_SIZE
 from relgen.runtime import memory
 from relgen.testing import dropout_keep_mask
 from relgen.tiles.configs import INTERPRETER_CONFIG
@@ -24,6 +25,8 @@ from relgen.tiles.configs import INTERPRETER_CONFIG
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 16
+#: the kernels' group size G: the interpreter's small tiles on the CPU, 128 on a GPU (every tuned entry's too)
+GROUP = INTERPRETER_CONFIG.group if DEVICE == "cpu" else GROUP_SIZE
 
 
 def load(name):
@@ -185,14 +188,14 @@ def test_in_tile_refusal_states_each_condition():
 
 # -- auto and the budget ------------------------------------------------------------------------------------------
 def test_auto_switches_at_the_budget(monkeypatch):
-    """fp32 txl at N = 40 in the interpreter (G = 32): stored while the documented bytes fit, tiled one byte below,
+    """fp32 txl at N = 40 (the interpreter's G = 32): stored while the documented bytes fit, tiled one byte below,
     for the backward's peak when the call is differentiated and the forward's without autograd."""
     spec = load("txl")
     n, b, h = 40, 1, 2
     inputs = make_inputs(spec, b=b, h=h, nq=n, d=D, device=DEVICE, seed=3)
     fn = relgen.compile_mechanism(spec)
     spy = Spy(monkeypatch, fn)
-    forward, backward, _ = identity_memory(b, h, n, INTERPRETER_CONFIG.group, 4, 4)
+    forward, backward, _ = identity_memory(b, h, n, GROUP, 4, 4)
     args = (inputs.q, inputs.k, inputs.v)
 
     def run(budget, grad):
@@ -228,7 +231,7 @@ def test_the_budget_from_the_environment(monkeypatch):
     inputs = make_inputs(spec, b=1, h=2, nq=16, d=D, device=DEVICE)
     fn = relgen.compile_mechanism(spec)
     args = (inputs.q, inputs.k, inputs.v)
-    assert fn.strategy(*args, **inputs.tables) == "stored"  # the default: 1 GiB without a CUDA device
+    assert fn.strategy(*args, **inputs.tables) == "stored"  # the default budget (1 GiB, or a quarter of the GPU)
     monkeypatch.setenv(PROJECTION_BUDGET_ENV, "0 KiB")
     set_projection_budget(None)  # the environment is read once: read it again
     assert memory.projection_budget(DEVICE) == 0
