@@ -19,7 +19,7 @@ from relgen.cli.main import main
 from relgen.config import PROJECTION_BUDGET_ENV, set_projection_budget
 from relgen.plan.analyze import GROUP_SIZE
 from relgen.runtime import memory
-from relgen.testing import dropout_keep_mask
+from relgen.testing import check_close, dropout_keep_mask
 from relgen.tiles.configs import INTERPRETER_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,6 +270,27 @@ def test_auto_never_picks_the_in_tile_variant_under_torch_compile():
     with pytest.raises(Exception, match=r"projections='tiled': not supported under torch.compile"):
         compiled(inputs.q, inputs.k, inputs.v, **inputs.tables, projections="tiled")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("strategy", ["tiled", "auto"])
+def test_a_sharded_call_takes_the_option(monkeypatch, strategy):
+    """zigzag on a ring of one: two chunks, so the pairs' passes run; "tiled" (and "auto" under a zero budget) runs
+    the in-tile variant's, and the result is the unsharded reference's."""
+    spec = load("txl")
+    inputs = make_inputs(spec, b=1, h=2, nq=24, d=D, device=DEVICE, seed=8)
+    fn = relgen.compile_mechanism(spec)
+    variant = fn._variant(fn.module, relations="in_tile")
+    passes = []
+    forward_pass = variant._forward_pass
+    monkeypatch.setattr(variant, "_forward_pass", lambda *a, **kw: passes.append(1) or forward_pass(*a, **kw))
+    set_projection_budget(0)
+    got = rd.context_parallel(fn, sharding="zigzag")(
+        inputs.q, inputs.k, inputs.v, **inputs.tables, projections=strategy
+    )
+    assert passes, "the in-tile variant's passes ran"
+    want = relgen.reference.attention(spec, inputs.q, inputs.k, inputs.v, **inputs.tables)
+    ok, message = check_close(got, want, torch.float32, "out")
+    assert ok, message
 
 
 def test_a_ring_of_one_takes_the_option():
