@@ -479,6 +479,30 @@ def test_recompute_projections_option(mha):
     assert not failures, "\n".join(failures)
 
 
+def test_projections_option(mha):
+    """projections= reaches the calls: "auto" (the default) stores txl_uv's projections, whose folded bias the
+    in-tile kernels do not serve, so "stored" gives the same bits and "tiled" names what they lack."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, D_MODEL)
+    inputs = dict(
+        query=x, key=x, value=x, mask=nemo_mask(torch.ones(2, 24, dtype=torch.bool)), pos_emb=positions(mha, x)
+    )
+    module = attention(mha)
+    with pytest.raises(ValueError, match=r"^projections: expected one of \('auto', 'stored', 'tiled'\)"):
+        relgen.integrations.patch(module, projections="in_tile")
+    outputs = {}
+    for strategy in ("auto", "stored", "tiled"):
+        patched = copy_of(mha, module)
+        relgen.integrations.patch(patched, projections=strategy)
+        if strategy == "tiled":
+            with pytest.raises(NotImplementedError, match=r"^projections='tiled': txl_uv folds its bias"):
+                patched(**inputs)
+            continue
+        with torch.no_grad():
+            outputs[strategy] = patched(**inputs)
+    assert torch.equal(outputs["auto"], outputs["stored"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
 def test_autocast_runs_the_kernels_in_fp32(mha, autocast):

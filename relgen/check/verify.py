@@ -95,6 +95,10 @@ def make_inputs(
     return Inputs(rand(b, h, nq, d), rand(b, h, nk, d), rand(b, h, nk, d), tables)
 
 
+#: call options that choose how relgen computes, not what: the reference takes none of them
+_RELGEN_ONLY = ("recompute_projections", "dropout_seed", "ablation", "projections")
+
+
 def _pairs(spec, inputs: Inputs, check_grads: bool, options: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, relgen's tensor, the FP64 reference's tensor) for the output and, with check_grads, every gradient
     (of <dO, O> for a fixed random dO)."""
@@ -104,7 +108,7 @@ def _pairs(spec, inputs: Inputs, check_grads: bool, options: dict) -> list[tuple
     fn = compile_mechanism(spec)
     keep_mask = options.pop("keep_mask", None)  # the reference's explicit dropout mask
     out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
-    ref_options = {k: v for k, v in options.items() if k not in ("recompute_projections", "dropout_seed", "ablation")}
+    ref_options = {k: v for k, v in options.items() if k not in _RELGEN_ONLY}
     if keep_mask is not None:
         ref_options["keep_mask"] = keep_mask
     ref = reference.attention(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, **ref_options)

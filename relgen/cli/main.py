@@ -1,6 +1,8 @@
 """The `relgen` command line.
 
-    relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON)
+    relgen explain SPEC [--seq-len N] [--json]     the analyzer's Plan as a table (or JSON), and the memory of the
+        [--batch B --heads H --head-dim D            relation products stored or formed in the tiles, with which one
+         --dtype fp16 --budget BYTES]                projections="auto" runs (relgen.runtime.memory)
     relgen validate SPEC...                        load and analyze each spec, one line per spec
     relgen build SPEC... [-o DIR]                  write the generated modules        (relgen.cli.commands.cli_build)
     relgen check SPEC... [--seq-len N ...]         kernels against the FP64 reference (relgen.cli.commands.cli_check)
@@ -40,6 +42,10 @@ DEFAULT_SEQ_LEN = 1024
 #: refused while the arguments are read, rather than left to run out of memory.
 MAX_SEQ_LEN = 1 << 17
 DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+#: explain's heads when not given (specs do not fix a head count): BERT-base's and Conformer-L's 12
+DEFAULT_HEADS = 12
+#: the largest batch size or head count explain's --batch and --heads accept
+MAX_COUNT = 1 << 16
 
 #: Subcommands implemented elsewhere: name → (module, function). Each function takes the argparse Namespace and
 #: returns an exit status. They are imported only when their subcommand runs (they pull in triton).
@@ -74,6 +80,17 @@ def _bucket_lengths(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="sequence lengths (default: every bucket)",
     )
+
+
+def _count(text: str) -> int:
+    """An argparse type: a batch size or head count in [1, MAX_COUNT]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_COUNT}, got {text[:40]!r}")
+    return value
 
 
 def _seq_len(text: str) -> int:
@@ -140,6 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"sequence length (default {DEFAULT_SEQ_LEN})",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    # the call whose projections' memory explain reports (relgen.runtime.memory)
+    p.add_argument("--batch", type=_count, default=1, metavar="B", help="batch size (default 1)")
+    p.add_argument("--heads", type=_count, default=DEFAULT_HEADS, metavar="H", help=f"heads (default {DEFAULT_HEADS})")
+    p.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
+    p.add_argument("--dtype", default="fp16", choices=DTYPE_CHOICES, help="input dtype (default fp16)")
+    p.add_argument(
+        "--budget",
+        default=None,
+        metavar="BYTES",
+        help="the projections' memory budget, e.g. 20GiB (default: relgen's for this machine)",
+    )
     p.set_defaults(handler=cmd_explain)
 
     p = sub.add_parser("validate", help="load and analyze specs")
@@ -252,11 +280,62 @@ def _analyze(path: str, seq_len: int | None) -> tuple[MechanismSpec, Plan]:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     spec, plan = _analyze(args.spec, args.seq_len)
+    report = projection_report(spec, plan, args.batch, args.heads, args.head_dim, args.dtype, args.budget)
     if args.json:
-        print(json.dumps(plan.to_json()))
+        print(json.dumps({**plan.to_json(), "projection_memory": report}))
     else:
-        print(explain_text(spec, plan))
+        print(explain_text(spec, plan) + "\n" + "\n".join(projection_lines(report)))
     return 0
+
+
+def projection_report(
+    spec: MechanismSpec, plan: Plan, batch: int, heads: int, head_dim: int, dtype: str, budget: str | None
+) -> dict[str, Any]:
+    """The memory of each strategy for the relation products (relgen.runtime.memory) of a dense call of
+    plan.seq_len queries and keys without offsets, and which one projections="auto" runs, forward alone and with
+    a backward: the call's own functions at the kernels' group size on a GPU (the plan's G)."""
+    _interpret_without_gpu()
+    import torch
+
+    from relgen.runtime import memory
+    from relgen.runtime.arguments import SUPPORTED_HEAD_DIMS, admitted_reach
+    from relgen.runtime.mechanism import compile_mechanism
+
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"--head-dim: expected a multiple of 8 from 16 to 256, got {head_dim}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    limit = memory.parse_budget(budget, "--budget") if budget is not None else memory.projection_budget(device)
+    n = plan.seq_len
+    mechanism = compile_mechanism(spec)
+    info = mechanism.module_for(admitted_reach(mechanism.module.PLAN, -(n - 1), n - 1)).PLAN
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    geo = memory.dense_geometry(
+        info, batch=batch, heads=heads, nq=n, nk=n, head_dim=head_dim, dtype=torch_dtype, group=plan.group_size
+    )
+    cost = memory.projection_memory(geo)
+    projects = plan.has_query or plan.has_key
+    refusal = memory.in_tile_refusal(info, head_dim=head_dim, packed=False, compiling=False)
+    runs = {
+        phase: memory.resolve_strategy(
+            "auto", projects, refusal, lambda backward=backward: memory.auto_strategy(cost, limit, backward, geo)
+        )
+        for phase, backward in (("forward", False), ("backward", True))
+    }
+    tiled = None if not projects or refusal else {"forward": cost.tiled_forward, "backward": cost.tiled_backward}
+    if not projects:
+        refusal = "the spec has no query or key term, so nothing is stored: 'tiled' runs the stored kernels"
+    return {
+        "batch": batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "budget": limit,
+        "budget_origin": "--budget" if budget is not None else memory.budget_origin(device),
+        "stored": {"forward": cost.stored_forward, "backward": cost.stored_backward},
+        "tiled": tiled,
+        "tiled_refusal": refusal,
+        "runs": runs,
+    }
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -336,6 +415,30 @@ def explain_text(spec: MechanismSpec, plan: Plan) -> str:
         for key, value in plan.cost.items():
             lines.append(f"    {_COST_TEXT.get(key, key):<32}{_number(value)}")
     return "\n".join(lines)
+
+
+def projection_lines(report: dict[str, Any]) -> list[str]:
+    """projection_report as explain's rows: the call, each strategy's bytes, and what projections="auto" runs."""
+
+    def size(n: int) -> str:
+        unit, scale = next(
+            ((u, z) for u, z in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)) if n >= z), ("", 1)
+        )
+        return f"{n} bytes" + (f" ({n / scale:.2f} {unit})" if unit else "")
+
+    def phases(cost: dict[str, int]) -> str:
+        return f"forward {size(cost['forward'])}, backward {size(cost['backward'])}"
+
+    r = report
+    call = f"B = {r['batch']}, H = {r['heads']}, d = {r['head_dim']}, {r['dtype']}"
+    tiled = phases(r["tiled"]) if r["tiled"] is not None else f"not run: {r['tiled_refusal']}"
+    runs = r["runs"]
+    return [
+        f"  {'relation products':<22}{call}; budget {size(r['budget'])}: {r['budget_origin']}",
+        f"  {'  stored':<22}{phases(r['stored'])}",
+        f"  {'  tiled':<22}{tiled}",
+        f"  {'  auto runs':<22}{runs['forward']} (forward alone), {runs['backward']} (forward and backward)",
+    ]
 
 
 _TERM_TEXT = {"query": "query (q_i·a^Q_φ)", "key": "key (k_j·a^K_φ)", "bias": "bias (b_φ)"}

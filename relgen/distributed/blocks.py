@@ -52,15 +52,17 @@ class Blocks:
         pair_length = max(qs.end, ks.end)
         return self.length - pair_length, 2 * pair_length - 1
 
-    def _call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> Call:
+    def pair_tables(self, tables: Tables, qs: Segment, ks: Segment) -> Tables:
+        """The gathered tables as the pair's call reads them (an identity map's: the rows of its length)."""
         rows = self.table_rows(qs, ks)
-        if rows is not None:
-            tables = tuple(
-                t.narrow(dim, *rows) if t is not None else None for t, dim in zip(tables, ROW_DIMS, strict=True)
-            )
+        if rows is None:
+            return tables
+        return tuple(t.narrow(dim, *rows) if t is not None else None for t, dim in zip(tables, ROW_DIMS, strict=True))
+
+    def _call(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> Call:
         return prepare_call(
-            self.plan, q, k, v, *tables, key_padding_mask=kpm, q_offset=qs.start, k_offset=ks.start,
-            dropout_p=self.dropout_p, dropout_seed=self.seed, scale=self.scale,
+            self.plan, q, k, v, *self.pair_tables(tables, qs, ks), key_padding_mask=kpm, q_offset=qs.start,
+            k_offset=ks.start, dropout_p=self.dropout_p, dropout_seed=self.seed, scale=self.scale,
         )  # fmt: skip
 
     def check(self, q, k, v, tables: Tables, kpm, qs: Segment, ks: Segment) -> None:

@@ -15,6 +15,7 @@ from relgen.distributed.schedule import Layout
 from relgen.distributed.sharding import check_sharding, chunk_count
 from relgen.runtime.arguments import LN2, PACKING_OPTIONS, seed_snapshot
 from relgen.runtime.mechanism import Mechanism, compile_mechanism
+from relgen.runtime.memory import check_strategy
 from relgen.spec.model import MechanismSpec
 
 __all__ = ["ContextParallel", "context_parallel"]
@@ -38,7 +39,9 @@ class ContextParallel:
     have 2L − 1 rows with L the gathered length.
 
     Options as `fn`'s: `key_padding_mask` ([B, n] bool, sharded like k), `q_offset`, `k_offset` (positions of
-    the gathered sequences' first query and key), `dropout_p`, `dropout_seed`, `scale`, `return_lse`.
+    the gathered sequences' first query and key), `dropout_p`, `dropout_seed`, `scale`, `return_lse`, and
+    `projections` ("auto", "stored", "tiled": relgen.runtime.memory), decided from one pair of chunks' memory (every
+    pair has the same shapes).
     A ring of one in one chunk (`sharding="contiguous"` on a group of one) is the plain call, and runs as `fn`
     itself, `recompute_projections` included. Every other call recomputes its projections in its backward (a pair's
     windows of Z̃ depend on its offsets, and keeping every pair's would cost a rank the memory of the unsharded
@@ -65,6 +68,7 @@ class ContextParallel:
         self, q, k, v, aq=None, ak=None, bias=None, *, key_padding_mask=None, cu_seqlens=None, max_seqlen=None,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, q_offset=0, k_offset=0,
         dropout_p=0.0, dropout_seed=None, scale=None, recompute_projections=False, return_lse=False,
+        projections="auto",
     ):  # fmt: skip
         packing = (cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if packing != (None,) * len(packing):
@@ -77,10 +81,11 @@ class ContextParallel:
             return self.fn(
                 q, k, v, aq, ak, bias, key_padding_mask=key_padding_mask, q_offset=q_offset, k_offset=k_offset,
                 dropout_p=dropout_p, dropout_seed=dropout_seed, scale=scale,
-                recompute_projections=recompute_projections, return_lse=return_lse,
+                recompute_projections=recompute_projections, return_lse=return_lse, projections=projections,
             )  # fmt: skip
         if not isinstance(recompute_projections, bool):
             raise ValueError(f"recompute_projections: expected a bool, got {type(recompute_projections).__name__}")
+        strategy = check_strategy(projections)
         layout = self._layout(q, k, v, key_padding_mask, q_offset, k_offset)
         length = max(q_offset + layout.nq * self.ring.size, k_offset + layout.nk * self.ring.size)
         module = self.fn.module_for(length)
@@ -95,8 +100,17 @@ class ContextParallel:
             )
         options: dict[str, Any] = {"scale": scale, "dropout_p": dropout_p, "dropout_seed": dropout_seed}
         blocks = Blocks(module, length, options)
+        first_q, first_k = layout.queries(self.ring)[0], layout.keys(self.ring, self.ring.rank)[0]
+        if strategy != "stored":  # every pair has the first's shapes: its call decides (the same on every rank)
+            pair_kpm = first_k.of(key_padding_mask, 1) if key_padding_mask is not None else None
+            chosen = self.fn.strategy_module(
+                module, strategy, first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2),
+                *blocks.pair_tables(tables, first_q, first_k),
+                {"key_padding_mask": pair_kpm, "q_offset": first_q.start, "k_offset": first_k.start, "scale": scale},
+            )  # fmt: skip
+            if chosen is not module:
+                blocks = Blocks(chosen, length, options)
         if self.ring.size > 1:  # a ring of one transfers nothing: its first pair's call checks the same arguments
-            first_q, first_k = layout.queries(self.ring)[0], layout.keys(self.ring, self.ring.rank)[0]
             blocks.check(
                 first_q.of(q, 2), first_k.of(k, 2), first_k.of(v, 2), tables,
                 first_k.of(key_padding_mask, 1) if key_padding_mask is not None else None, first_q, first_k,

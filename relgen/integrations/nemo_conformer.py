@@ -37,7 +37,9 @@ kernels in that dtype instead. Without autocast the kernels run in the activatio
 NeMo's code (the kernels serve fp16, bf16 and fp32). Training-mode attention dropout runs inside the kernels
 (relgen's own random stream). ``patch(model, recompute_projections=True)`` has the backward recompute the
 relation projections instead of keeping them: an identity map keeps H·T1·T2 of them per layer, which at long
-recordings is most of a training step's memory.
+recordings is most of a training step's memory. The calls take ``projections="auto"`` (relgen.runtime.memory:
+stored projections while they fit the budget, else relation products inside the tiles where the kernels serve
+the call); ``patch(model, projections="stored")`` or ``"tiled"`` forces one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from torch import nn
 from relgen.integrations._core import Adapter, Unsupported, fall_back, register
 from relgen.runtime.arguments import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from relgen.runtime.mechanism import Mechanism, compile_mechanism
+from relgen.runtime.memory import check_strategy
 
 _MODULE = "nemo.collections.asr.parts.submodules.multi_head_attention"
 _SERVED = "RelPositionMultiHeadAttention"
@@ -84,6 +87,7 @@ class _State:
     mechanism: Mechanism
     attention_dtype: torch.dtype | None  # None: NeMo's own (its autocast dtype), else the activations' dtype
     recompute_projections: bool
+    projections: str  # the calls' projections= (relgen.runtime.memory): "auto" unless patch was given another
     windowed: dict[Window, Mechanism] = field(default_factory=dict)  # the spec with each window a call needed
     # [(u, v, their versions, dtype and device, (u, v − u) in that dtype)]: kept across calls without autograd
     biases: list = field(default_factory=lambda: [None])
@@ -122,7 +126,11 @@ def _matches(module: nn.Module) -> bool:
 
 
 def _prepare(
-    module: nn.Module, *, attention_dtype: torch.dtype | None = None, recompute_projections: bool = False
+    module: nn.Module,
+    *,
+    attention_dtype: torch.dtype | None = None,
+    recompute_projections: bool = False,
+    projections: str = "auto",
 ) -> _State:
     if attention_dtype is not None and attention_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"attention_dtype: expected None or one of {SUPPORTED_DTYPES}, got {attention_dtype!r}")
@@ -135,7 +143,7 @@ def _prepare(
         )
     if module.d_k not in SUPPORTED_HEAD_DIMS:
         raise Unsupported(f"head_dim={module.d_k} (d_model / n_heads; the kernels serve {SUPPORTED_HEAD_DIMS})")
-    return _State(compile_mechanism(_TXL_UV), attention_dtype, recompute_projections)
+    return _State(compile_mechanism(_TXL_UV), attention_dtype, recompute_projections, check_strategy(projections))
 
 
 def _forward(
@@ -213,6 +221,7 @@ def _attend(
         scale=1.0 / module.s_d_k,
         dropout_p=module.dropout_rate if module.training else 0.0,
         recompute_projections=state.recompute_projections,
+        projections=state.projections,
     )
 
 
@@ -350,4 +359,12 @@ def _real(
     return (None if bool(query_valid.all()) else query_valid), key_valid
 
 
-register(Adapter("nemo_conformer", _matches, _prepare, _forward, options=("attention_dtype", "recompute_projections")))
+register(
+    Adapter(
+        "nemo_conformer",
+        _matches,
+        _prepare,
+        _forward,
+        options=("attention_dtype", "recompute_projections", "projections"),
+    )
+)

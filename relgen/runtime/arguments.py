@@ -376,10 +376,10 @@ def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
         _, _, _, nq, _, nk = _check_qkv(q, k, v, check_layout(options.get("layout", "bhnd")))
         high = q_offset + nq - 1 - k_offset  # δ of the last query and the first key
         low = q_offset - (k_offset + nk - 1)
-    return _admitted_reach(plan, low, high)
+    return admitted_reach(plan, low, high)
 
 
-def _admitted_reach(plan: PlanInfo, low: int, high: int) -> int:
+def admitted_reach(plan: PlanInfo, low: int, high: int) -> int:
     """1 + the largest |δ| of [low, high] that the plan's masks admit (PlanInfo.admitted); 1 when they admit none
     of it (no pair is scored)."""
     low, high = plan.admitted(low, high)

@@ -17,7 +17,8 @@ Under torch.compile:
 - packed sequences need `max_seqlen` (the longest sequence cannot be read off the device while tracing), and
   take the shorthand `cu_seqlens` form only: separate query and key packing (`cu_seqlens_q` ≠ `cu_seqlens_k`)
   is eager-only;
-- the ablation switches (`relgen bench --ablation`) are eager-only.
+- the ablation switches (`relgen bench --ablation`) and the in-tile relation products (`projections="tiled"`)
+  are eager-only; `projections="auto"` stores the projections there (relgen.runtime.memory).
 """
 
 from __future__ import annotations

@@ -129,12 +129,9 @@ class GradientBuffer:
 
     def __init__(self, geo: Geometry, device: torch.device):
         self.geo = geo
-        atomic = geo.path == "atomic"
         self.dtype = geo.dz_dtype
-        windows = (geo.rows, geo.rows) if atomic else (geo.wq, geo.wk)
-        wq, wk = self.widths = tuple(geo.row_stride(w) for w in windows)
-        size = max(geo.token_rows(True) * wq, geo.token_rows(False) * wk)
-        self.storage = torch.empty(size, device=device, dtype=self.dtype)
+        self.widths = geo.gradient_widths()
+        self.storage = torch.empty(geo.gradient_elements(), device=device, dtype=self.dtype)
         if os.environ.get("RELGEN_POISON_BUFFERS"):  # tests: an entry that no kernel writes shows up as NaN
             self.storage.fill_(float("nan"))
 
@@ -426,6 +423,17 @@ class Geometry:
         if key not in table:
             table[key] = _outside_graph_pools(lambda: torch.tensor(values(), dtype=dtype, device=device))
         return table[key]
+
+    def gradient_widths(self) -> tuple[int, int]:
+        """The row strides of dZ̃'s query and key views: the windows W (all R rows on the atomic path), rounded up
+        to ROW_ALIGN."""
+        windows = (self.rows, self.rows) if self.path == "atomic" else (self.wq, self.wk)
+        return self.row_stride(windows[0]), self.row_stride(windows[1])
+
+    def gradient_elements(self) -> int:
+        """Entries of the dZ̃ buffer both backward passes share: the larger side's token rows × row stride."""
+        wq, wk = self.gradient_widths()
+        return max(self.token_rows(True) * wq, self.token_rows(False) * wk)
 
     def gradient_buffer(self, device: torch.device) -> GradientBuffer:
         return GradientBuffer(self, device)

@@ -27,11 +27,20 @@ import torch
 
 from relgen.backend import configure_triton
 from relgen.plan.analyze import Plan, analyze
-from relgen.runtime.arguments import (
-    reach,
+from relgen.runtime.arguments import prepare_call, reach
+from relgen.runtime.geometry import Geometry
+from relgen.runtime.memory import (
+    auto_strategy,
+    check_strategy,
+    in_tile_refusal,
+    projection_budget,
+    projection_memory,
+    resolve_strategy,
 )
+from relgen.runtime.storage import projection_storage
 from relgen.spec.limits import MAX_SEQ_LEN
 from relgen.spec.model import MechanismSpec, load_spec
+from relgen.tiles.select import overridden
 
 # before any of relgen's kernels is defined (the generated modules import the runtime first, relgen.runtime.dropout
 # after it): Triton's interpreter when there is no CUDA device
@@ -60,6 +69,28 @@ def cache_dir() -> Path:
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+#: kinds of call whose "auto" choice a Mechanism keeps (all forgotten when full)
+KEPT_CHOICES = 256
+#: the call options that Mechanism.geometry leaves out: the generated `attention`'s own, and dropout's
+_UNCHECKED_OPTIONS = ("recompute_projections", "return_lse", "dropout_p", "dropout_seed")
+
+
+def _head_dim(q: Any) -> int | None:
+    """q's d if q is a tensor (else None: the call's own checks name the problem)."""
+    return int(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() > 0 else None
+
+
+def _differentiated(tensors: tuple) -> bool:
+    """Whether autograd will differentiate a call of these arguments (one of them requires grad)."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _packed(options: dict[str, Any]) -> bool:
+    """Whether the call packs its sequences (max_seqlen alone is refused by the call's own checks)."""
+    get = options.get
+    return get("cu_seqlens") is not None or get("cu_seqlens_q") is not None or get("cu_seqlens_k") is not None
 
 
 #: The longest window a map whose saturation could not be proven is re-planned for (1 + the largest |δ| a call
@@ -125,6 +156,12 @@ class Mechanism:
             _SPECS[self.plan.spec_hash] = spec
         self._variants: dict[tuple, ModuleType] = {}
         self._variants_lock = threading.Lock()
+        #: "auto"'s choice ("stored" or "tiled") per kind of call (Mechanism._auto)
+        self._choices: dict[tuple, str] = {}
+        #: whether the spec has a projection to store or to form in the tiles (a query or key term)
+        self._projects = self.plan.has_query or self.plan.has_key
+        #: in_tile_refusal's answer per (head dim, packed, compiling)
+        self._refusals: dict[tuple, str | None] = {}
 
     def module_for(self, window: int) -> ModuleType:
         """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
@@ -142,7 +179,37 @@ class Mechanism:
             )
         return _WIDER[_load_wider(self.plan.spec_hash, 1 << (int(window) - 1).bit_length())]
 
-    def __call__(self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, **options: Any):
+    def __call__(
+        self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, projections: str = "auto",
+        **options: Any,
+    ):  # fmt: skip
+        """`projections`: how the relation products are formed (relgen.runtime.memory): "stored" (Z̃, the fastest),
+        "tiled" (inside the tiles, linear memory; NotImplementedError for a call the in-tile variant does not
+        serve; for a spec with no query or key term, the same kernels as "stored") or "auto" (stored while its
+        memory fits relgen.config.projection_budget(), else tiled where served). With an ablation, "auto" is
+        "stored": the switches are measured against the stored path."""
+        module = self._planned(q, k, v, options)
+        strategy = check_strategy(projections)
+        if ablation is not None:
+            if strategy == "tiled" and ablation != "no_projections":
+                raise NotImplementedError(
+                    f"projections='tiled' with ablation {ablation!r}: the ablations switch off parts of the stored "
+                    "strategy (use projections='stored' or 'auto')"
+                )
+            module, options = self._ablated(module, ablation, options, q)
+        else:
+            module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options)
+        return module.attention(q, k, v, aq, ak, bias, **options)
+
+    def strategy(self, q, k, v, aq=None, ak=None, bias=None, *, projections: str = "auto", **options: Any) -> str:
+        """The strategy, "stored" or "tiled", that `self(q, k, v, aq, ak, bias, projections=..., **options)` runs
+        (without running it)."""
+        module = self._planned(q, k, v, options)
+        module = self.strategy_module(module, check_strategy(projections), q, k, v, aq, ak, bias, options)
+        return "tiled" if module.PLAN.relations == "in_tile" else "stored"
+
+    def _planned(self, q, k, v, options: dict[str, Any]) -> ModuleType:
+        """The module planned for the offsets the call reaches, after checking the flags `attention` takes."""
         module = self.module
         if module.PLAN.valid_up_to is not None:  # an unproven map: the module for the offsets this call reaches
             module = self.module_for(reach(module.PLAN, q, k, v, options))
@@ -150,11 +217,60 @@ class Mechanism:
             flag = options.get(name, False)
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if ablation is not None:
-            module, options = self._ablated(module, ablation, options)
-        return module.attention(q, k, v, aq, ak, bias, **options)
+        return module
 
-    def _ablated(self, module: ModuleType, ablation: str, options: dict[str, Any]):
+    def strategy_module(self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options) -> ModuleType:
+        """`module`, or its in-tile variant (built once) where `strategy` ("auto", "stored" or "tiled") has the
+        call form its relation products inside the tiles."""
+        if strategy == "stored" or not self._projects:
+            return module
+        facts = (_head_dim(q), _packed(options), torch.compiler.is_compiling())
+        refusal = self._refusals.get(facts, False)
+        if refusal is False:  # the plan is fixed: one refusal per (head dim, packed, compiling)
+            refusal = self._refusals[facts] = in_tile_refusal(
+                self.plan, head_dim=facts[0], packed=facts[1], compiling=facts[2]
+            )
+        chosen = resolve_strategy(
+            strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options)
+        )
+        return self._variant(module, relations="in_tile") if chosen == "tiled" else module
+
+    def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> str:
+        """The choice of "auto" for a call the in-tile variant serves: "tiled" where its stored projections' memory
+        (relgen.runtime.memory.projection_memory, at the backward's peak when autograd will differentiate the
+        call) exceeds the budget. Decided once per kind of call (shapes, dtype, device, offsets, layout), from the
+        geometry the call's own checks derive."""
+        if not isinstance(q, torch.Tensor):
+            return "stored"  # the call's own checks name the problem
+        backward = torch.is_grad_enabled() and _differentiated((q, k, v, aq, ak, bias))
+        device = q.device
+        budget = projection_budget(device)
+        key = (
+            module.PLAN.valid_up_to, q.shape, k.shape, q.dtype, device, options.get("layout"),
+            options.get("q_offset", 0), options.get("k_offset", 0), backward, budget, projection_storage(),
+        )  # fmt: skip
+        try:
+            choice = None if overridden() else self._choices.get(key)
+        except TypeError:  # an unhashable option (a bad one: the call's checks name it)
+            choice = key = None
+        if choice is None:
+            geo = self.geometry(module, q, k, v, aq, ak, bias, options)
+            choice = auto_strategy(projection_memory(geo), budget, backward, geo)
+            if key is not None and not overridden():  # a forced tile configuration may change G: not kept
+                with self._variants_lock:
+                    if len(self._choices) >= KEPT_CHOICES:
+                        self._choices.clear()
+                    self._choices[key] = choice
+        return choice
+
+    @staticmethod
+    def geometry(module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> Geometry:
+        """The Geometry of a call of `module` (its arguments checked as the call checks them; dropout, which
+        sizes no buffer, left out so that no seed is drawn)."""
+        checked = {name: value for name, value in options.items() if name not in _UNCHECKED_OPTIONS}
+        return prepare_call(module.PLAN, q, k, v, aq, ak, bias, **checked).geo
+
+    def _ablated(self, module: ModuleType, ablation: str, options: dict[str, Any], q: Any = None):
         """One component of the method switched off (the paper's Table 7), for `relgen bench --ablation`."""
         if ablation not in ABLATIONS:
             raise ValueError(f"ablation: expected one of {ABLATIONS}, got {ablation!r}")
@@ -163,20 +279,9 @@ class Mechanism:
         if ablation == "atomic_gradients":  # the fallback's per-pair atomic adds on a map that does not need them
             return self._variant(module, path="atomic"), options
         if ablation == "no_projections":  # relation products formed in every band tile instead of stored
-            plan, why = self.plan, None
-            if not (plan.has_query or plan.has_key):
-                why = "has no projection to switch off (bias only)"
-            elif plan.has_bias:
-                why = "folds its bias into a projection"
-            elif plan.path != "offset":
-                why = "runs the atomic path"
+            why = in_tile_refusal(self.plan, head_dim=_head_dim(q), packed=_packed(options), compiling=False)
             if why:
-                raise NotImplementedError(
-                    f"ablation no_projections: {plan.spec_name} {why}; in-tile relation products cover query and "
-                    "key terms without a bias, on the offset path"
-                )
-            if any(options.get(name) is not None for name in ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k")):
-                raise NotImplementedError("ablation no_projections: packed sequences (cu_seqlens) are not supported")
+                raise NotImplementedError(f"ablation no_projections: {why}")
             return self._variant(module, relations="in_tile"), options
         if ablation == "no_bucket_copies":  # projections per table row, read through β by every score
             plan, why = self.plan, None
