@@ -77,11 +77,6 @@ KEPT_CHOICES = 256
 _UNCHECKED_OPTIONS = ("recompute_projections", "return_lse", "dropout_p", "dropout_seed")
 
 
-def _head_dim(q: Any) -> int | None:
-    """q's d if q is a tensor (else None: the call's own checks name the problem)."""
-    return int(q.shape[-1]) if isinstance(q, torch.Tensor) and q.dim() > 0 else None
-
-
 def _differentiated(tensors: tuple) -> bool:
     """Whether autograd will differentiate a call of these arguments (one of them requires grad)."""
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
@@ -160,7 +155,7 @@ class Mechanism:
         self._choices: dict[tuple, str] = {}
         #: whether the spec has a projection to store or to form in the tiles (a query or key term)
         self._projects = self.plan.has_query or self.plan.has_key
-        #: in_tile_refusal's answer per (head dim, packed, compiling)
+        #: in_tile_refusal's answer per (packed, compiling)
         self._refusals: dict[tuple, str | None] = {}
 
     def module_for(self, window: int) -> ModuleType:
@@ -196,7 +191,7 @@ class Mechanism:
                     f"projections='tiled' with ablation {ablation!r}: the ablations switch off parts of the stored "
                     "strategy (use projections='stored' or 'auto')"
                 )
-            module, options = self._ablated(module, ablation, options, q)
+            module, options = self._ablated(module, ablation, options)
         else:
             module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options)
         return module.attention(q, k, v, aq, ak, bias, **options)
@@ -224,12 +219,10 @@ class Mechanism:
         call form its relation products inside the tiles."""
         if strategy == "stored" or not self._projects:
             return module
-        facts = (_head_dim(q), _packed(options), torch.compiler.is_compiling())
+        facts = (_packed(options), torch.compiler.is_compiling())
         refusal = self._refusals.get(facts, False)
-        if refusal is False:  # the plan is fixed: one refusal per (head dim, packed, compiling)
-            refusal = self._refusals[facts] = in_tile_refusal(
-                self.plan, head_dim=facts[0], packed=facts[1], compiling=facts[2]
-            )
+        if refusal is False:  # the plan is fixed: one refusal per (packed, compiling)
+            refusal = self._refusals[facts] = in_tile_refusal(self.plan, packed=facts[0], compiling=facts[1])
         chosen = resolve_strategy(
             strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options)
         )
@@ -270,7 +263,7 @@ class Mechanism:
         checked = {name: value for name, value in options.items() if name not in _UNCHECKED_OPTIONS}
         return prepare_call(module.PLAN, q, k, v, aq, ak, bias, **checked).geo
 
-    def _ablated(self, module: ModuleType, ablation: str, options: dict[str, Any], q: Any = None):
+    def _ablated(self, module: ModuleType, ablation: str, options: dict[str, Any]):
         """One component of the method switched off (the paper's Table 7), for `relgen bench --ablation`."""
         if ablation not in ABLATIONS:
             raise ValueError(f"ablation: expected one of {ABLATIONS}, got {ablation!r}")
@@ -279,7 +272,7 @@ class Mechanism:
         if ablation == "atomic_gradients":  # the fallback's per-pair atomic adds on a map that does not need them
             return self._variant(module, path="atomic"), options
         if ablation == "no_projections":  # relation products formed in every band tile instead of stored
-            why = in_tile_refusal(self.plan, head_dim=_head_dim(q), packed=_packed(options), compiling=False)
+            why = in_tile_refusal(self.plan, packed=_packed(options), compiling=False)
             if why:
                 raise NotImplementedError(f"ablation no_projections: {why}")
             return self._variant(module, relations="in_tile"), options

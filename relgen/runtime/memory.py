@@ -29,7 +29,6 @@ import torch
 
 from relgen.runtime.geometry import Geometry, PlanInfo
 from relgen.runtime.storage import projection_storage
-from relgen.tiles.configs import head_block
 from relgen.tiles.select import select_config
 
 #: the values of a call's `projections=` option
@@ -62,25 +61,19 @@ def check_strategy(projections: Any) -> str:
 # ------------------------------------------------------------------------------------------------------------
 # which calls the in-tile variant serves
 # ------------------------------------------------------------------------------------------------------------
-def in_tile_refusal(plan: Any, *, head_dim: int | None, packed: bool, compiling: bool) -> str | None:
-    """Why the in-tile variant of `plan` (a Plan or PlanInfo) cannot serve a call, or None when it can. `head_dim`:
-    the call's d (None: not known yet; the call's own checks judge it); `packed`: cu_seqlens given; `compiling`:
-    traced by torch.compile. The one statement of the variant's coverage: `projections="tiled"`, "auto" and the
+def in_tile_refusal(plan: Any, *, packed: bool, compiling: bool) -> str | None:
+    """Why the in-tile variant of `plan` (a Plan or PlanInfo) cannot serve a call, or None when it can. `packed`:
+    cu_seqlens given; `compiling`: traced by torch.compile. The variant serves every term (a bias read per pair, not
+    folded into a projection), every head dim the stored path serves, masks, windows, offsets, dropout, grouped
+    heads and both layouts. The one statement of the variant's coverage: `projections="tiled"`, "auto" and the
     ablation no_projections all read it."""
     name, terms = plan.spec_name, plan.terms
-    why = None
     if "query" not in terms and "key" not in terms:
-        why = "has no projection to switch off (bias only)"
-    elif "bias" in terms:
-        why = "folds its bias into a projection"
-    elif plan.path != "offset":
-        why = "runs the atomic path"
-    if why:
-        return f"{name} {why}; in-tile relation products cover query and key terms without a bias, on the offset path"
+        return f"{name} has no projection to switch off (bias only)"
+    if plan.path != "offset":
+        return f"{name} runs the atomic path; in-tile relation products serve the offset path"
     if packed:
         return "packed sequences (cu_seqlens) are not supported"
-    if head_dim is not None and head_dim != head_block(head_dim):  # Ã's rows are read BLOCK_D wide
-        return f"head dims that are powers of two only, got {head_dim}"
     if compiling:
         return "not supported under torch.compile (eager only)"
     return None
@@ -114,7 +107,9 @@ def projection_memory(geo: Geometry) -> ProjectionMemory:
         stored backward  the forward's + max_side T·⌈W⌉₈·|dz|   the dZ̃ buffer (Geometry.gradient_elements)
         tiled            Σ_side T·2·4               the end columns, formed in fp32 (no Z̃, no dZ̃)
 
-    The in-tile kernels' own scratch is O(tokens) per program and not counted. A spec without a query or key term
+    Not counted: the table gradients both strategies form in fp32 (the stored path's reduction as partial sums
+    per chunk of tokens, the in-tile offset-parallel pass as one [H, C, d] buffer), and the in-tile passes' end sums
+    are the T·2·4 bytes above. A spec without a query or key term
     stores no Z̃ (its stored forward is 0; its backward's dZ̃ carries the bias gradient) and has no in-tile
     variant: its "tiled" figures are its stored ones."""
     sides = [side for side, term in ((True, "query"), (False, "key")) if term in geo.plan.terms]
