@@ -216,6 +216,23 @@ def _window_base(SIGN: tl.constexpr, DOFF, nk, LOW, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _wide(x, INT64: tl.constexpr):
+    """A stride as the kernels scale offsets by it: in int64 for a call that may form an offset past int32
+    (INT64, Geometry.int64_offsets), so that every product with it is an int64 one; else as given (Triton passes an
+    int below 2³¹ as an int32: 32-bit index arithmetic, fewer registers)."""
+    if INT64:
+        return tl.cast(x, tl.int64)
+    else:
+        return x
+
+
+@triton.jit
+def _wide_strides(strides, INT64: tl.constexpr):
+    """A tensor's (batch, head, token) strides through _wide."""
+    return _wide(strides[0], INT64), _wide(strides[1], INT64), _wide(strides[2], INT64)
+
+
+@triton.jit
 def _token_rows(T, strides, b, h, tok):
     """T's entries of batch b, head h at tokens tok (a scalar or a tensor of tokens). strides: T's (batch, head,
     token) strides, as the host's _strides gives them."""
@@ -645,11 +662,13 @@ def _project_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     X_GROUP: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
     Z̃ has rows per query head h (its table's), read from head h // X_GROUP of X (K's under grouped-query
     attention)."""
-    ZS = ZS_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    ZS, sx, st_h = _wide(ZS_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64), _wide(st_h, INT64)
     pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(pid_bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN)
@@ -831,11 +850,15 @@ def _attn_fwd_kernel(
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
     TMA: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """Query head h reads key/value head h // KV_GROUP (grouped-query attention). TMA: K_DESC, V_DESC are tensor
     descriptors over K and V [B, H_kv, N, d] (boxes [1, 1, BN, d]) that the saturated tiles load through; otherwise
     they are None and every tile loads through pointers."""
-    ZSQ, ZSK = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    ZSQ, ZSK = _wide(ZSQ_A * ROW_ALIGN, INT64), _wide(ZSK_A * ROW_ALIGN, INT64)
+    sq, sk = _wide_strides(sq, INT64), _wide_strides(sk, INT64)
+    sv, so = _wide_strides(sv, INT64), _wide_strides(so, INT64)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
@@ -942,6 +965,7 @@ def _bwd_preprocess_kernel(
     VARLEN: tl.constexpr,
     BOUNDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """D_i = rowsum(dO ∘ O), over blocks of BLOCK_M queries of the BH sequences: program p takes blocks p,
     p + programs, ... BOUNDS (an fp16 dZ̃): also the two factors of dZ̃'s bound (_dz_scales), this program's
@@ -949,6 +973,8 @@ def _bwd_preprocess_kernel(
     V's v_rows rows, to its own slots DZ_BOUNDS[0, p] and DZ_BOUNDS[1, p] (relgen.runtime.scales): no launch or
     zeroed tensor of their own."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    so, sdo = _wide_strides(so, INT64), _wide_strides(sdo, INT64)
     blocks = tl.cdiv(Nq_all, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     best = tl.zeros([BLOCK_M], tl.float32)
@@ -1198,10 +1224,15 @@ def _attn_bwd_q_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """Query-parallel pass: dQ (direct part) and dZ̃^Q, whose rows this program alone writes. Query head h reads
     key/value head h // KV_GROUP."""
-    ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    ZSQ, ZSK = _wide(ZSQ_A * ROW_ALIGN, INT64), _wide(ZSK_A * ROW_ALIGN, INT64)
+    WDZ = _wide(WDZ_A * ROW_ALIGN, INT64)
+    sq, sk, sv = _wide_strides(sq, INT64), _wide_strides(sk, INT64), _wide_strides(sv, INT64)
+    sdo, sdq = _wide_strides(sdo, INT64), _wide_strides(sdq, INT64)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
@@ -1449,13 +1480,18 @@ def _attn_bwd_kv_kernel(
     PREC: tl.constexpr,
     REUSE: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes. One program per key
     tile of a key/value head, which the KV_GROUP query heads of its group read (grouped-query attention): it runs
     over them in turn, summing their dK and dV in registers in a fixed order (deterministic, and no copy of K or V
     per query head), while each query head's dZ̃^K rows (its own tables') are written apart. Its score tiles are
     [BM, BN] like the other passes', or [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
-    ZSQ, ZSK, WDZ = ZSQ_A * ROW_ALIGN, ZSK_A * ROW_ALIGN, WDZ_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    ZSQ, ZSK = _wide(ZSQ_A * ROW_ALIGN, INT64), _wide(ZSK_A * ROW_ALIGN, INT64)
+    WDZ = _wide(WDZ_A * ROW_ALIGN, INT64)
+    sq, sk, sv = _wide_strides(sq, INT64), _wide_strides(sk, INT64), _wide_strides(sv, INT64)
+    sdo, sdk, sdv = _wide_strides(sdo, INT64), _wide_strides(sdk, INT64), _wide_strides(sdv, INT64)
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
@@ -1576,12 +1612,14 @@ def _reduce_tokens_kernel(
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     X_GROUP: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """dX_t += Σ_w dZ̃[t, w] · Ã[start + w] over the token's own window, in place: DX holds the pass's direct
     part, in the inputs' dtype (an fp32 partial would cost B·H·N·d·4 bytes at the backward's peak). One program
     per token block of a head of X, which the X_GROUP query heads of its group read (dK under grouped-query
     attention): their dZ̃ rows and tables are summed in a fixed order."""
-    WDZ = WDZ_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    WDZ, sdx, st_h = _wide(WDZ_A * ROW_ALIGN, INT64), _wide_strides(sdx, INT64), _wide(st_h, INT64)
     pid_t, bx = tl.program_id(0), tl.program_id(1)
     H_X = H // X_GROUP
     b, hx = bx // H_X, bx % H_X
@@ -1657,11 +1695,13 @@ def _reduce_table_kernel(
     PREC: tl.constexpr,
     ALIGNED: tl.constexpr,
     X_GROUP: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
     Chunks are summed afterwards in a fixed order, so no atomics are needed. Query head h's x_t is head
     h // X_GROUP's of X (K's under grouped-query attention)."""
-    WDZ = WDZ_A * ROW_ALIGN
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+    WDZ, sx = _wide(WDZ_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64)
     pid_s, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s_lo = pid_s * BLOCK_S
     offs_s = s_lo + tl.arange(0, BLOCK_S)
@@ -1844,6 +1884,7 @@ def _project(x, table, bias, bounds, geo, cfg, query_side):
         VARLEN=geo.varlen,
         PREC=geo.prec,
         X_GROUP=1 if query_side else geo.kv_group,
+        INT64=geo.int64_offsets,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1936,6 +1977,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         PREC=geo.prec,
         REUSE=geo.reuse,
         TMA=k_desc is not None,
+        INT64=geo.int64_offsets,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -1977,6 +2019,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             VARLEN=geo.varlen,
             PREC=red.prec,
             X_GROUP=x_group,
+            INT64=geo.int64_offsets,
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
@@ -2017,6 +2060,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         PREC=red.prec,
         ALIGNED=red.aligned,
         X_GROUP=x_group,
+        INT64=geo.int64_offsets,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
@@ -2027,7 +2071,7 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
     return (total(dt_part) if want_table else None), (total(db_part) if want_bias else None)
 
 
-def _preprocess(o, do, v, delta, cu, bounds, geo, c):
+def _preprocess(o, do, v, delta, cu, bounds, wide, geo, c):
     """delta = rowsum(dO ∘ O); with `bounds` (an fp16 dZ̃) the same launch also returns the factors of the bound on a
     query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖ as [2, PARTIALS] partial maxima (_dz_scales); else
     delta itself stands in for them (unread)."""
@@ -2057,6 +2101,7 @@ def _preprocess(o, do, v, delta, cu, bounds, geo, c):
         VARLEN=geo.varlen,
         BOUNDS=bounds,
         BLOCK_T=block_rows(geo.head_dim),
+        INT64=wide,
         num_warps=warps,
     )
     return out
@@ -2104,8 +2149,9 @@ def _backward(do, saved, geo, cfg):
     cu = geo.cu_seqlens_or(dummy)
     delta = torch.empty_like(lse2)
     c = cfg.backward
+    wide = _rt.int64_offsets(geo, do)  # the forward's reach, or dO's (its strides are autograd's)
     dz = geo.gradient_buffer(q.device)
-    dz_bounds = _preprocess(o, do, v, delta, cu[0], dz.dtype == torch.float16, geo, c)
+    dz_bounds = _preprocess(o, do, v, delta, cu[0], dz.dtype == torch.float16, wide, geo, c)
     bias_vec = None
     common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = dummy
@@ -2120,6 +2166,7 @@ def _backward(do, saved, geo, cfg):
         VARLEN=geo.varlen,
         PREC=geo.prec,
         REUSE=geo.reuse,
+        INT64=wide,
     )
 
     # query-parallel pass, then its reduction (dQ += dZ̃^Q·Ã^Q, dÃ^Q, db̃)

@@ -17,6 +17,7 @@ from kernel_cases import MAP_KINDS, SPECS, assert_all_close, compare, make_input
 import relgen
 from relgen import config, reference
 from relgen.check.verify import gradient_runs
+from relgen.runtime.geometry import tensor_reach
 from relgen.testing import check_close, dropout_keep_mask
 
 pytestmark = pytest.mark.gpu
@@ -465,3 +466,83 @@ def test_recompute_projections_saves_memory(name):
     _report("recompute_projections", figures)
     assert kept[True] <= kept[False] - 0.95 * projections
     assert kept[True] <= b * h * n * (2 * d + 4) + (8 << 20)
+
+
+def chunked_identity_reference(spec, q, k, v, aq, do, chunk=1024):
+    """FP64 output and gradients (dq, dk, dv, daq) of one sequence of an identity map with a query term only
+    (TXL: S = τ(q_i·k_j + q_i·a_(i−j+N−1))), non-causal, by query chunks: each chunk's scores [chunk, N] and its
+    products with all 2N − 1 rows are formed, differentiated and freed in turn, so that no N × N tensor exists (at
+    N = 128K one is 137 GB in fp64). q, k, v: [1, 1, N, d]; aq: [1, 2N − 1, d]; do like q."""
+    n, d = q.shape[2], q.shape[3]
+    # the spec's row of (i, j) is i − j + N − 1: checked against the reference's at the corners of the N × N grid
+    for i0, j0 in ((0, 0), (0, n - 8), (n - 8, 0), (n - 8, n - 8)):
+        want = reference.relation_rows(spec, 8, 8, q_offset=i0, k_offset=j0, length=n)
+        i, j = torch.arange(i0, i0 + 8)[:, None], torch.arange(j0, j0 + 8)[None, :]
+        assert torch.equal(want, i - j + n - 1)
+    leaves = [t.detach().double().requires_grad_() for t in (q[0, 0], k[0, 0], v[0, 0], aq[0])]
+    q64, k64, v64, a64 = leaves
+    tau = spec.scale_value(d)
+    out = torch.empty(n, d, dtype=torch.float64, device=q.device)
+    j = torch.arange(n, device=q.device)
+    for i0 in range(0, n, chunk):
+        qc = q64[i0 : i0 + chunk]
+        rows = (torch.arange(i0, i0 + qc.shape[0], device=q.device)[:, None] - j[None, :]) + (n - 1)
+        s = tau * (qc @ k64.T + torch.gather(qc @ a64.T, 1, rows))
+        oc = torch.softmax(s, -1) @ v64
+        oc.backward(do[0, 0, i0 : i0 + chunk].double())
+        out[i0 : i0 + chunk] = oc.detach()
+        del s, oc, rows
+    return out[None, None], [leaf.grad[None, None] for leaf in leaves[:3]] + [a64.grad[None]]
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [65536, 131072])
+def test_identity_map_past_int32_rows(n):
+    """TXL at N = 64K and 128K, B = H = 1, d = 64, fp16: one head's Z̃^Q is N × (N + G − 1) entries (4.3e9 and
+    1.7e10), so a token times its row stride passes 2³¹ (the kernels take INT64), forward and backward against the
+    chunked FP64 reference. About 1 min at 64K and 2–3 min at 128K on the H200 (compiles included); 128K holds Z̃^Q
+    and dZ̃ (34 GB each in fp16) at once."""
+    spec = spec_of("txl")
+    d = 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, d, generator=gen).to("cuda", torch.float16).requires_grad_() for _ in range(3))
+    aq = (torch.randn(1, 2 * n - 1, d, generator=gen) * 0.5).to("cuda", torch.float16).requires_grad_()
+    fn = relgen.compile_mechanism(spec)
+    out = fn(q, k, v, aq=aq)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    got = torch.autograd.grad(out, [q, k, v, aq], do)
+    want_out, want = chunked_identity_reference(spec, q, k, v, aq, do)
+    results = [("out", *check_close(out, want_out, torch.float16))]
+    names = ("dq", "dk", "dv", "daq")
+    results += [(name, *check_close(g, w, torch.float16)) for name, g, w in zip(names, got, want, strict=True)]
+    assert_all_close(results, f"txl N = {n}")
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [
+        ((3, 2, 1024, 64), ((1 << 30) + 64, 1024 * 64, 64, 1)),  # b·stride_b passes 2³¹ (storage: 4.3 GB fp16)
+        ((1, 2, 1024, 64), (3 << 30, 64, 3 << 20, 1)),  # token·stride_n passes 2³¹ from token 683 on (6.4 GB)
+    ],
+    ids=["batch_stride", "token_stride"],
+)
+@pytest.mark.parametrize("name", ["shaw", "txl", "t5"])
+def test_strided_offsets_past_int32_on_gpu(name, shape, strides):
+    """q, k, v read through strides that carry their offsets past 2³¹ (views into storage that spans them): the
+    INT64 kernels compiled for the GPU, against the reference (tests/test_int64_offsets.py runs them interpreted).
+    About 10 s each on the H200."""
+    spec = spec_of(name)
+    base = make_inputs(spec, b=shape[0], h=shape[1], nq=shape[2], d=shape[3], dtype=torch.float16, device="cuda")
+    span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+
+    def spread(x):
+        view = torch.empty(span, dtype=x.dtype, device=x.device).as_strided(shape, strides)
+        with torch.no_grad():
+            view.copy_(x)
+        return view.requires_grad_()
+
+    q = spread(base.q)
+    inputs = type(base)(q, spread(base.k), spread(base.v), base.tables)
+    assert tensor_reach(q) > 2**31
+    assert_all_close(compare(spec, inputs), f"{name} {shape} strides {strides}")

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from relgen.backend import capturing, interpreting
-from relgen.runtime.geometry import LOG2E, Geometry, PlanInfo
+from relgen.runtime.geometry import LOG2E, Geometry, PlanInfo, tensor_reach
 from relgen.runtime.storage import projection_storage
 from relgen.spec.limits import quoted
 from relgen.spec.model import MechanismSpec
@@ -34,6 +34,12 @@ LN2 = 0.6931471805599453
 #: kernels hold offsets δ, window starts and, for identity maps, the 2L − 1 expanded columns in 32-bit integers and
 #: add up to three of them, so 2^29 keeps every such sum exact.
 MAX_POSITION = 1 << 29
+#: The most token rows a call may have, B·H·N (packed: H·total): the kernels number the rows of their per-token
+#: buffers (LSE, Z̃, dZ̃) in int32, a tile's masked rows up to one tile past the last (offsets into the buffers are
+#: int64). Far above what fits on a GPU: B·H·N = 2³¹ tokens are 2³⁵ elements of q at d = 16.
+MAX_TOKEN_ROWS = 2**31 - 2**16
+#: The most programs a launch may stack along a grid's second and third axes (CUDA's limit), which hold B·H
+MAX_GRID_Y = 65535
 #: a call's packing options: the shorthand for equal query and key packing, then FlashAttention's names
 PACKING_OPTIONS = ("cu_seqlens", "max_seqlen", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
 #: Integer dropout seeds lie in [0, SEED_LIMIT): the values a seed tensor's int64 element holds, so that an int and
@@ -188,7 +194,8 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
     v with unit last stride, contiguous tables) and without packing or dropout; None for any other call, which is
     checked in full. A key padding mask is keyed by what check_call checks of it (its shape, dtype, layout and
     device: its values are the kernels'), other options by name, type and value (True never stands in for 1: the
-    checks reject bools). A configuration override (tests, tuning) bypasses it."""
+    checks reject bools). q, k and v are keyed by their strides too (their reach decides the kernels' INT64). A
+    configuration override (tests, tuning) bypasses it."""
     if overridden() or any(options.get(name) is not None for name in _UNKEPT_OPTIONS):
         return None
     dropout_p = options.get("dropout_p", 0.0)
@@ -196,9 +203,12 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
         return None
     tensors = []
     for t in (q, k, v):
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dim() == 0 or t.stride(-1) != 1:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dim() == 0:
             return None
-        tensors.append((t.shape, t.dtype, t.device))
+        strides = t.stride()
+        if strides[-1] != 1:
+            return None
+        tensors.append((t.shape, strides, t.dtype, t.device))
     for t in (aq, ak, bias):
         if t is None:
             tensors.append(None)
@@ -283,6 +293,7 @@ def check_call(
             raise ValueError(f"{name}: dtype must match q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: must be on q's device ({q.device}), got {t.device}")
+    _check_sizes(b, h, nq, nk, packed)
     # the kernels are compiled per head dimension: a symbolic one (torch.compile, dynamic shapes) is specialised
     d = int(d)
     length = packed_length(packed, q_offset, k_offset) if packed is not None else max(q_offset + nq, k_offset + nk)
@@ -325,6 +336,7 @@ def check_call(
             raise ValueError(f"scale: expected a positive number or None, got {_got(scale)}")
         tau = _fp32_scale("scale", float(scale))
 
+    q, k, v = (lastdim_contiguous(heads_major(t, layout)) for t in (q, k, v))
     geo = Geometry.make(
         plan,
         batch=b,
@@ -350,13 +362,33 @@ def check_call(
         total_k=packed.total_k if packed is not None else 0,
         cu_seqlens=packed.cu_seqlens_q if packed is not None else None,
         cu_seqlens_k=packed.cu_seqlens_k if packed is not None else None,
+        qkv_reach=max(tensor_reach(t) for t in (q, k, v)),
     )
     return Call(
-        *(lastdim_contiguous(heads_major(t, layout)) for t in (q, k, v)),
+        q,
+        k,
+        v,
         *checked,
         kpm,
         geo,
     )
+
+
+def _check_sizes(b: Any, h: Any, nq: Any, nk: Any, packed: Packed | None) -> None:
+    """The bounds on a call's size that its kernels' int32 scalars set (MAX_TOKEN_ROWS, MAX_GRID_Y); offsets into
+    tensors of any size are formed in int64 where they need it (Geometry.int64_offsets)."""
+    if b * h > MAX_GRID_Y:
+        raise ValueError(
+            f"q: batch × heads = {b} × {h} = {b * h} exceeds {MAX_GRID_Y} (relgen.runtime.arguments.MAX_GRID_Y), the "
+            "programs a CUDA grid stacks along one axis; split the batch"
+        )
+    rows = h * max(packed.total_q, packed.total_k) if packed is not None else b * h * max(nq, nk)
+    if rows > MAX_TOKEN_ROWS:
+        sizes = f"heads × tokens = {h} × {rows // h}" if packed is not None else f"B·H·N = {b}·{h}·{max(nq, nk)}"
+        raise ValueError(
+            f"q: {sizes} = {rows} token rows exceeds {MAX_TOKEN_ROWS} (relgen.runtime.arguments.MAX_TOKEN_ROWS), the "
+            "rows the kernels number in int32; split the batch"
+        )
 
 
 def reach(plan: PlanInfo, q, k, v, options: dict[str, Any]) -> Any:
@@ -626,6 +658,11 @@ def check_packing(q, k, v, sides: tuple[PackedSide, PackedSide], key_padding_mas
                 f"H = {h} (and the same for k and v), got {_shape(t)}"
             )
     total_k = k.shape[0]
+    for side, total in ((q_side, total_q), (k_side, total_k)):
+        if total > 2**31 - 1:
+            raise ValueError(
+                f"{side.cu_name}: int32 sequence starts hold at most 2**31 - 1 tokens, got {total} packed tokens"
+            )
     cu_q = _check_starts(q_side, q)
     cu_k = cu_q if equal else _check_starts(k_side, q)
     if cu_k.shape[0] != cu_q.shape[0]:

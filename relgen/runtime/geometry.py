@@ -20,6 +20,24 @@ LOG2E = 1.4426950408889634
 #: Rows of the per-token buffers (Z̃, dZ̃) start at multiples of this many elements (16 bytes in fp16). Kernels
 #: receive those row strides in units of it, so that the compiler can prove the alignment and vectorize.
 ROW_ALIGN = 8
+#: The largest offset (in elements) the kernels' index arithmetic forms in int32: a call that may form a larger one
+#: compiles them with int64 strides (Geometry.int64_offsets, the kernels' INT64)
+INT32_REACH = 2**31 - 1
+#: Rows past a sequence's last token that a tile's masked lanes address (offsets formed, never dereferenced)
+TILE_SLACK = 512
+
+
+def int64_offsets(geo: Geometry, *tensors: torch.Tensor) -> bool:
+    """The kernels' INT64 for a pass of this call that also reads `tensors` (the backward's dO)."""
+    return geo.int64_offsets or any(tensor_reach(t) > INT32_REACH for t in tensors)
+
+
+def tensor_reach(t: torch.Tensor) -> int:
+    """The largest offset the kernels form into t, a [B, H, N, d] view or packed [total, H, d] tokens: the offset of
+    its last element through its strides, with TILE_SLACK more tokens."""
+    strides = t.stride()
+    token = strides[2] if len(strides) == 4 else strides[0]
+    return sum((n - 1) * abs(s) for n, s in zip(t.shape, strides, strict=True)) + TILE_SLACK * abs(token)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -195,6 +213,7 @@ class Geometry:
     wq: int = 0
     wk: int = 0
     q_offset: int = 0  # the absolute position of query 0 (dropout keys its stream by absolute positions)
+    qkv_reach: int = 0  # the largest tensor_reach of q, k and v
 
     @classmethod
     def make(cls, plan: PlanInfo, **kw: Any) -> Geometry:
@@ -255,6 +274,20 @@ class Geometry:
     def row_units(width: int) -> int:
         """The row stride as the kernels receive it: in units of ROW_ALIGN elements."""
         return Geometry.row_stride(width) // ROW_ALIGN
+
+    @functools.cached_property
+    def int64_offsets(self) -> bool:
+        """Whether a kernel of this call may form an offset past INT32_REACH: into q, k or v (b·stride_b + h·stride_h
+        + token·stride_n, each factor an int32), into one sequence's rows of Z̃ or dZ̃ (a token times the row stride:
+        an identity map's Z̃^Q is N × (N + G) per head, past 2³¹ from N ≈ 46K on), or into the tables (head times
+        C·d). The kernels then take their strides in int64 (INT64); dO's reach is the backward's to add."""
+        widths = [self.wq, self.wk, *self.projection_columns(True)[1:], *self.projection_columns(False)[1:]]
+        if self.path == "atomic":
+            widths.append(self.rows)  # dZ̃ by table row
+        tokens = max(self.nq, self.nk) + TILE_SLACK
+        rows = tokens * (self.row_stride(max(widths)) + 1)  # row·(stride + 1): the band's diagonal runs
+        tables = (1 if self.heads_share_tables else self.heads) * (max(self.c, self.rows) + TILE_SLACK) * self.head_dim
+        return max(self.qkv_reach, rows, tables) > INT32_REACH
 
     def token_rows(self, query_side: bool) -> int:
         """Rows of the internal per-token buffers (Z̃, dZ̃, LSE): one per (batch, head, token)."""

@@ -13,7 +13,7 @@ from relgen.runtime.arguments import Call, finish, lastdim_contiguous, prepare_c
 from relgen.runtime.custom_ops import Passes, compiled_packing  # noqa: E402
 from relgen.runtime.custom_ops import register as register_custom_ops  # noqa: E402
 from relgen.runtime.descriptors import kv_descriptors  # noqa: E402
-from relgen.runtime.geometry import ROW_ALIGN, PlanInfo  # noqa: E402
+from relgen.runtime.geometry import ROW_ALIGN, PlanInfo, int64_offsets  # noqa: E402
 from relgen.runtime.launch import Launcher  # noqa: E402
 from relgen.tiles.grid import cdiv, column_splits, table_chunks  # noqa: E402
 
@@ -27,6 +27,7 @@ __all__ = [
     "column_splits",
     "compiled_packing",
     "finish",
+    "int64_offsets",
     "kv_descriptors",
     "lastdim_contiguous",
     "prepare_call",
