@@ -7,7 +7,7 @@ globals, unsupported syntax) show up here without spending GPU time.
 
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
         [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections] [--relations in_tile]
-        [--dropout-seed int|tensor] [--k-offset 0] [--head-dim 64] [--kv-heads 2] [--layout bhnd|bnhd]
+        [--dropout-seed int|tensor] [--k-offset 0] [--head-dim 64] [--heads 2] [--kv-heads 2] [--layout bhnd|bnhd]
 
 --relations in_tile: the plan's in-tile relation products (the variant ablation no_projections runs), for any spec
 the variant serves (a bias term included, which the ablation refuses).
@@ -44,6 +44,7 @@ def record(
     layout: str = "bhnd",
     k_offset: int = 0,
     relations: str | None = None,
+    heads: int = 2,
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -119,7 +120,7 @@ def record(
     print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
     rows = spec.map.num_rows(n + k_offset)
-    shape = (rows, head_dim) if spec.heads_share_tables else (2, rows, head_dim)
+    shape = (rows, head_dim) if spec.heads_share_tables else (heads, rows, head_dim)
     tables = {}
     if spec.has_query:
         tables["aq"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
@@ -127,8 +128,8 @@ def record(
         tables["ak"] = torch.randn(shape, dtype=torch_dtype, requires_grad=True)
     if spec.has_bias:
         tables["bias"] = torch.randn(shape[:-1], requires_grad=True)
-    # two query heads; k and v with kv_heads of them (1: multi-query), in `layout`
-    q, k, v = (torch.randn(1, heads, n, head_dim, dtype=torch_dtype) for heads in (2, kv_heads, kv_heads))
+    # `heads` query heads; k and v with kv_heads of them (1: multi-query), in `layout`
+    q, k, v = (torch.randn(1, count, n, head_dim, dtype=torch_dtype) for count in (heads, kv_heads, kv_heads))
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -270,7 +271,8 @@ def main() -> int:
     )
     parser.add_argument("--k-offset", type=int, default=0, help="q_offset = k_offset of the recorded call")
     parser.add_argument("--head-dim", type=int, default=64, help="d of the recorded call (and of its tiles)")
-    parser.add_argument("--kv-heads", type=int, default=2, choices=(1, 2), help="key/value heads (of 2 query heads)")
+    parser.add_argument("--heads", type=int, default=2, help="query heads of the recorded call")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (dividing --heads; 1: multi-query)")
     parser.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd"), help="layout of q, k, v")
     parser.add_argument(
         "--relations", default=None, choices=("in_tile",), help="compile the plan with these relation products"
@@ -294,6 +296,7 @@ def main() -> int:
         args.layout,
         args.k_offset,
         args.relations,
+        args.heads,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

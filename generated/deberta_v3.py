@@ -1690,7 +1690,10 @@ def _attn_bwd_kv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, KV_GROUP):
+    # with dZ̃^K's entries the tile loops spill without a group loop too (DeBERTa, 8K's tiles, KV_GROUP = 2: 2424 B);
+    # unrolled, the second head's loops spilled more in some runs and less in others (sm_90): the group stays a loop
+    UNROLL: tl.constexpr = 1
+    for g in tl.range(0, KV_GROUP, loop_unroll_factor=UNROLL):
         bh = bh_first + g
         h = bh % H
         _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)

@@ -1573,7 +1573,13 @@ def _attn_bwd_kv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, KV_GROUP):
+    # a loop over the group's heads around the query-tile loops keeps what ptxas hoists out of each tile loop live
+    # across all of them: at 8K's tiles (Shaw, sm_90, KV_GROUP = 4) 436 B of spills, reloaded inside the saturated
+    # tiles' loop. Unrolled, every tile loop compiles as it does for one head, the sums in the same order; larger
+    # groups keep the loop, the code (and compile time) growing with each unrolled head
+    # (benchmarks/compile_check.py --config-for 8192 --heads 4 --kv-heads 1)
+    UNROLL: tl.constexpr = KV_GROUP if KV_GROUP <= 4 else 1
+    for g in tl.range(0, KV_GROUP, loop_unroll_factor=UNROLL):
         bh = bh_first + g
         h = bh % H
         _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
