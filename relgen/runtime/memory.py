@@ -128,8 +128,8 @@ def projection_memory(geo: Geometry) -> ProjectionMemory:
 def tiled_measured_faster(geo: Geometry) -> bool:
     """Whether measurements say the in-tile products beat stored ones for this call where both fit the budget: the
     hook for a tuned entry per (kernel family, dtype, d, length bucket). None is recorded yet, and on the H200 the
-    stored products were the faster at every measured length (TXL at 32K: forward 1.2×, backward 3×;
-    docs/performance.md section 17), so: never."""
+    stored products were the faster at every measured length (TXL at 8K: forward 3.7×, backward 4.5×; at 32K 3.3×
+    and 4.4×; docs/performance.md section 18), so: never."""
     return False
 
 
