@@ -352,8 +352,8 @@ def kernel_kind(name: str, relgen_names: set[str]) -> str:
 
 def profile_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype, args) -> dict[str, Any]:
     """Where a training step's time goes: torch.profiler over --profile-steps steps (after --warmup), the GPU
-    kernels by device time per step (on a CPU, the operators by CPU time), summed by kind (relgen's attention
-    kernels, GEMMs, copies and casts, optimizer, ...), the top aten operators by the device time of the kernels
+    kernels by CUDA time per step (on a CPU, the operators by CPU time), summed by kind (relgen's attention
+    kernels, GEMMs, copies and casts, optimizer, ...), the top aten operators by the CUDA time of the kernels
     they launch, and the forward / backward / optimizer times (CUDA events between the phases, medians)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -394,7 +394,7 @@ def profile_step(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
     )[: args.profile_top]
     return {
         "steps": steps,
-        "clock": "GPU kernels (device time)" if cuda else "CPU operators (self time; Triton's interpreter)",
+        "clock": "GPU kernels (CUDA time)" if cuda else "CPU operators (self time; Triton's interpreter)",
         "kernel_ms_per_step": per_step(total),
         "by_kind_ms_per_step": dict(sorted(kinds.items(), key=lambda item: -item[1])),
         "top_kernels": [
