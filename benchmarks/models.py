@@ -494,7 +494,9 @@ def saved_memory(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch
             kind = by_tensor.setdefault((where, f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"), [0.0, 0])
             kind[0] += storage.nbytes() / 2**20
             kind[1] += 1
-        return t
+        # not t itself: a saved output would then hold its own grad_fn, a cycle through autograd's C++ graph that
+        # the garbage collector cannot see, and the whole graph would outlive the forward
+        return t.detach()
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave) for m in model.modules()]
