@@ -10,7 +10,9 @@ Random-init encoders of real sizes (NeMo's config values, written here; no downl
   measured against it);
 * ``relgen-bf16``, ``relgen-fp16``: patched with ``attention_dtype`` bf16 / fp16 (under autocast the patched model's
   default is NeMo's own attention dtype, bf16 on GPUs with bf16: ``relgen-bf16``);
-* ``relgen-recompute`` (training only): patched with ``recompute_projections=True``.
+* ``relgen-recompute`` (training only): patched with ``recompute_projections=True``;
+* ``relgen-bf16-tiled``: ``relgen-bf16`` with ``projections="tiled"`` (the relation products inside the tiles:
+  no stored Z̃ of about T × 2T entries a head, slower kernels).
 
 Inference: RTFx (audio seconds / wall seconds of the encoder's forward, median of the timed runs) and peak memory
 on batches of 30 s segments (lengths 80–100 % of 30 s: padded) and on whole recordings of 10, 30 and 60 minutes
@@ -107,6 +109,7 @@ SYSTEMS: dict[str, tuple[bool, dict[str, Any] | None]] = {
     "relgen-bf16": (False, {"attention_dtype": torch.bfloat16}),
     "relgen-fp16": (False, {"attention_dtype": torch.float16}),
     "relgen-recompute": (False, {"recompute_projections": True}),
+    "relgen-bf16-tiled": (False, {"attention_dtype": torch.bfloat16, "projections": "tiled"}),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -590,7 +593,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtypes = args.dtypes or ["fp32"]
         args.segment_s, args.segment_batch, args.recordings_min = 2.4, 2, [0.06]
         args.train_s, args.train_audio_s, args.reps = [2.4], 4.8, 1
-        args.systems = [s for s in args.systems if s != "relgen-bf16"]
+        args.systems = [s for s in args.systems if not s.startswith("relgen-bf16")]
         args.out = args.out or Path(tempfile.gettempdir()) / "relgen_nemo_smoke"
     args.dtypes = args.dtypes or ["bf16", "fp16"]
     args.out = args.out or ROOT / "benchmarks/results/h200"
