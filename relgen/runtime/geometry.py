@@ -395,8 +395,8 @@ class Geometry:
             doff=self.doff,
             low=self.low,
             fp32=self.dz_dtype == torch.float32,
-            # half-precision inputs: an fp32 dZ̃ enters the GEMMs as tf32, whose significand is fp16's and whose
-            # range is fp32's (fp32 inputs: exact)
+            # fp16 inputs: an fp32 dZ̃ enters the GEMMs as tf32, whose significand is fp16's and whose range is
+            # fp32's; bf16 inputs split it into two bf16 products instead (the kernels' _dz_dot); fp32: exact
             prec="tf32" if self.dtype != torch.float32 and self.dz_dtype == torch.float32 else self.prec,
             aligned=self.windows_aligned(query_side),
         )
