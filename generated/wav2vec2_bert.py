@@ -1645,7 +1645,7 @@ def _dz_dot(dz, y, PREC: tl.constexpr):
     sum of two bf16 tiles, hi = bf16(dz) and lo = bf16(dz − hi), each multiplied by y in bf16 (exact products,
     fp32 sums): 16 significand bits of dz against tf32's 11, and bf16 products accept the operands as they lie
     in memory, where tf32 ones want both contiguous along the reduced dimension (a transposing copy for these
-    tiles; DeBERTa's bf16 table reduction ran 5x slower per token than its fp16 one). fp16 y (fp32 storage,
+    tiles; DeBERTa's bf16 table reduction ran 8x slower than its fp16 one). fp16 y (fp32 storage,
     unscaled): an fp16 hi could overflow, so tf32 (PREC)."""
     if y.dtype == tl.bfloat16:
         hi = dz.to(tl.bfloat16)
