@@ -1647,7 +1647,9 @@ def _dz_dot(dz, y, PREC: tl.constexpr):
     in memory, where tf32 ones want both contiguous along the reduced dimension (a transposing copy for these
     tiles; DeBERTa's bf16 table reduction ran 8x slower than its fp16 one). fp16 y (fp32 storage,
     unscaled): an fp16 hi could overflow, so tf32 (PREC)."""
-    if y.dtype == tl.bfloat16:
+    if dz.dtype != tl.float32:  # an fp16 dZ̃ (scaled storage) against fp16 operands: their own product
+        return tl.dot(dz, y, input_precision=PREC)
+    elif y.dtype == tl.bfloat16:
         hi = dz.to(tl.bfloat16)
         lo = (dz - hi.to(tl.float32)).to(tl.bfloat16)
         return tl.dot(hi, y) + tl.dot(lo, y)
@@ -1682,7 +1684,6 @@ def _reduce_tokens_kernel(
     BLOCK_W: tl.constexpr,
     GROUP: tl.constexpr,
     SIGN: tl.constexpr,
-    FP32_DZ: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     X_GROUP: tl.constexpr,
@@ -1726,10 +1727,7 @@ def _reduce_tokens_kernel(
                 mask=_d_mask(w_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
                 other=0.0,
             )
-            if FP32_DZ:
-                acc += _dz_dot(dz, a, PREC) * up
-            else:
-                acc += tl.dot(dz, a, input_precision=PREC) * up
+            acc += _dz_dot(dz, a, PREC) * up
     tl.store(DX + x_rows, acc.to(DX.dtype.element_ty), mask=x_ok)
 
 
@@ -1765,7 +1763,6 @@ def _reduce_table_kernel(
     SHARED: tl.constexpr,
     HAS_TABLE: tl.constexpr,
     HAS_DB: tl.constexpr,
-    FP32_DZ: tl.constexpr,
     VARLEN: tl.constexpr,
     PREC: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -1819,10 +1816,7 @@ def _reduce_table_kernel(
                             mask=_d_mask(t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D),
                             other=0.0,
                         )
-                        if FP32_DZ:
-                            acc += _dz_dot(tl.trans(dz), x, PREC)
-                        else:
-                            acc += tl.dot(tl.trans(dz), x, input_precision=PREC)
+                        acc += _dz_dot(tl.trans(dz), x, PREC)
                     if HAS_DB:
                         acc_b += tl.sum(dz.to(tl.float32), 0)
     _down, up = _dz_scales(DZ_BOUNDS, DZ, Nq_all, SIGN == -1)  # named: `_` is the loop's discarded ints
@@ -2103,7 +2097,6 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
             BLOCK_W=c.block_w,
             GROUP=geo.group,
             SIGN=sign,
-            FP32_DZ=red.fp32,
             VARLEN=geo.varlen,
             PREC=red.prec,
             X_GROUP=x_group,
@@ -2143,7 +2136,6 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         SHARED=geo.heads_share_tables,
         HAS_TABLE=want_table,
         HAS_DB=want_bias,
-        FP32_DZ=red.fp32,
         VARLEN=geo.varlen,
         PREC=red.prec,
         ALIGNED=red.aligned,
