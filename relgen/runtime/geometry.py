@@ -123,7 +123,6 @@ class Reduction:
     stride: int
     doff: int
     low: int
-    fp32: bool
     prec: str
     aligned: bool  # every window starts on a multiple of 16 columns (the kernels may then load dZ̃ vector-wide)
 
@@ -385,7 +384,7 @@ class Geometry:
             r = self.rows
             stride = self.row_stride(r)
             return Reduction(
-                columns=r, width=r, stride=stride, doff=self.doff, low=self.low, fp32=True, prec="ieee", aligned=True
+                columns=r, width=r, stride=stride, doff=self.doff, low=self.low, prec="ieee", aligned=True
             )
         width = self.wq if query_side else self.wk
         return Reduction(
@@ -394,7 +393,6 @@ class Geometry:
             stride=self.row_stride(width),
             doff=self.doff,
             low=self.low,
-            fp32=self.dz_dtype == torch.float32,
             # fp16 inputs: an fp32 dZ̃ enters the GEMMs as tf32, whose significand is fp16's and whose range is
             # fp32's; bf16 inputs split it into two bf16 products instead (the kernels' _dz_dot); fp32: exact
             prec="tf32" if self.dtype != torch.float32 and self.dz_dtype == torch.float32 else self.prec,
