@@ -4,9 +4,10 @@ steps) of one forward + backward with k and v of H heads, of H_kv heads, and of 
 benchmarks/layouts.py, which times the same three calls end to end.
 
     python benchmarks/grouped_heads.py [--spec shaw] [--seq-len 8192] [--batch 2] [--heads 16] [--kv-heads 4]
-        [--head-dim 64] [--key-tiles BMxBN[xWARPSxSTAGES]]
+        [--head-dim 64] [--key-tiles BMxBN[xWARPSxSTAGES[xKEY_MAJORxGROUP_SPLIT]]] [--group-split S]
 
---key-tiles replaces the key pass's tiles for all three calls (relgen.tiles.select.override_config).
+--key-tiles replaces the key pass's tiles for all three calls (relgen.tiles.select.override_config), --group-split
+only their AttnTiles.group_split (a group's heads over S programs per key tile; 0: as relgen.tiles.grid chooses).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import relgen
 from relgen.check.verify import make_inputs
 from relgen.tiles.configs import AttnTiles
+from relgen.tiles.grid import cdiv, group_splits
 from relgen.tiles.select import override_config, select_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +52,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--key-tiles", default=None, help="BMxBN[xWARPSxSTAGES] for the key pass")
+    parser.add_argument("--key-tiles", default=None, help="BMxBN[xWARPSxSTAGES[xKEY_MAJORxGROUP_SPLIT]] (AttnTiles)")
+    parser.add_argument("--group-split", type=int, default=None, help="the key pass's group_split (0: by the grid)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("grouped_heads.py: no CUDA GPU")
@@ -71,8 +74,12 @@ def main() -> None:
     config = select_config(fn.module.PLAN, torch.float16, args.head_dim, args.seq_len)
     if args.key_tiles:
         config = replace(config, backward_kv=AttnTiles(*(int(x) for x in args.key_tiles.split("x"))))
+    if args.group_split is not None:
+        config = replace(config, backward_kv=replace(config.key_pass, group_split=args.group_split))
+    programs = cdiv(args.seq_len, config.key_pass.block_n) * args.batch * args.kv_heads
+    split = group_splits(config.key_pass.group_split, group, programs, torch.device("cuda"))
     print(f"{args.spec}, fp16, B={args.batch} H={args.heads} H_kv={args.kv_heads} N={args.seq_len} "
-          f"d={args.head_dim}; key pass {config.key_pass}")  # fmt: skip
+          f"d={args.head_dim}; key pass {config.key_pass}, {split} part(s) a group")  # fmt: skip
     with override_config(config):
         for name, kv in cases.items():
 

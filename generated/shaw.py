@@ -1540,6 +1540,7 @@ def _attn_bwd_kv_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     KV_GROUP: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -1549,21 +1550,25 @@ def _attn_bwd_kv_kernel(
     INT64: tl.constexpr,
 ):
     """Key-parallel pass: dK (direct part), dV and dZ̃^K, whose rows this program alone writes. One program per key
-    tile of a key/value head, which the KV_GROUP query heads of its group read (grouped-query attention): it runs
-    over them in turn, summing their dK and dV in registers in a fixed order (deterministic, and no copy of K or V
-    per query head), while each query head's dZ̃^K rows (its own tables') are written apart. Its score tiles are
-    [BM, BN] like the other passes', or [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
+    tile of a key/value head and part of its group: the KV_GROUP query heads that read the head (grouped-query
+    attention) split into SPLIT parts of KV_GROUP / SPLIT heads, which a program runs over in turn, summing their
+    dK and dV in registers in a fixed order (deterministic, and no copy of K or V per query head), while each query
+    head's dZ̃^K rows (its own tables') are written apart. SPLIT > 1 (a group's heads over several programs, when
+    one per key tile would leave the GPU short of programs): part p writes its fp32 sums as head hk·SPLIT + p of
+    DK and DV, which the host adds in a fixed order. Its score tiles are [BM, BN] like the other passes', or
+    [BN, BM] when KEY_MAJOR (AttnTiles.key_major)."""
     # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
     ZSQ, ZSK = _wide(ZSQ_A * ROW_ALIGN, INT64), _wide(ZSK_A * ROW_ALIGN, INT64)
     WDZ = _wide(WDZ_A * ROW_ALIGN, INT64)
     sq, sk, sv = _wide_strides(sq, INT64), _wide_strides(sk, INT64), _wide_strides(sv, INT64)
     sdo, sdk, sdv = _wide_strides(sdo, INT64), _wide_strides(sdk, INT64), _wide_strides(sdv, INT64)
-    pid_n, bkv = tl.program_id(0), tl.program_id(1)
+    pid_n, bkv, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if DROPOUT:
         seed = seed_value(seed)  # an int, or read once from its tensor
     H_KV = H // KV_GROUP
     b, hk = bkv // H_KV, bkv % H_KV
-    bh_first = b * H + hk * KV_GROUP  # the group's first query head
+    HEADS: tl.constexpr = KV_GROUP // SPLIT
+    bh_first = b * H + hk * KV_GROUP + part * HEADS  # the part's first query head
     tok_q, tok_k, Nq, Nk, _, _, DOFF = _sequence(bh_first, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
     tok_q, tok_k = tok_q.to(tl.int64), tok_k.to(tl.int64)
     j0 = pid_n * BLOCK_N
@@ -1592,8 +1597,8 @@ def _attn_bwd_kv_kernel(
     # tiles' loop. Unrolled, every tile loop compiles as it does for one head, the sums in the same order; larger
     # groups keep the loop, the code (and compile time) growing with each unrolled head
     # (benchmarks/compile_check.py --config-for 8192 --heads 4 --kv-heads 1)
-    UNROLL: tl.constexpr = KV_GROUP if KV_GROUP <= 4 else 1
-    for g in tl.range(0, KV_GROUP, loop_unroll_factor=UNROLL):
+    UNROLL: tl.constexpr = HEADS if HEADS <= 4 else 1
+    for g in tl.range(0, HEADS, loop_unroll_factor=UNROLL):
         bh = bh_first + g
         h = bh % H
         _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
@@ -1640,13 +1645,16 @@ def _attn_bwd_kv_kernel(
                                                BLOCK_N, GROUP, HAS_KPM, DROPOUT, PREC, KEY_MAJOR,
                                                MODE=SAT_HIGH, MASKED=False)
         # fmt: on
+    hk_out = hk * SPLIT + part
     tl.store(
-        _token_rows(DK, sdk, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :],
+        _token_rows(DK, sdk, b, hk_out, tok_k + offs_n[:, None]) + offs_d[None, :],
         (dk * tau).to(DK.dtype.element_ty),
         mask=kv_ok,
     )
     tl.store(
-        _token_rows(DV, sdv, b, hk, tok_k + offs_n[:, None]) + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_ok
+        _token_rows(DV, sdv, b, hk_out, tok_k + offs_n[:, None]) + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_ok,
     )
 
 
@@ -1910,6 +1918,21 @@ def _strides(t):
     stride() call: each is a call into torch, and a backward takes ~15 of these (host path, measured on the H200)."""
     s = t.stride()
     return (s[0], s[1], s[2]) if len(s) == 4 else (0, s[1], s[0])
+
+
+def _group_partials(t, split):
+    """fp32 sums of the key pass's parts for dK or dV (AttnTiles.group_split): t's shape ([B, H_kv, N, d], or packed
+    [total, H_kv, d]) with split·H_kv heads, part p of head hk as head hk·split + p."""
+    shape = list(t.shape)
+    shape[1] *= split
+    return torch.empty(shape, device=t.device, dtype=torch.float32)
+
+
+def _sum_partials(partials, t, split):
+    """The parts' sums added in a fixed order (deterministic), in t's dtype and memory layout."""
+    shape = list(t.shape)
+    summed = partials.view(*shape[:2], split, *shape[2:]).sum(2)
+    return torch.empty_like(t).copy_(summed)
 
 
 def _tiles(t):
@@ -2304,11 +2327,12 @@ def _backward(do, saved, geo, cfg):
     del dzq, dz
 
     # key-parallel pass, then its reduction (dK += dZ̃^K·Ã^K, dÃ^K)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     ck = cfg.key_pass
+    key_tiles = _rt.cdiv(geo.nk, ck.block_n)
+    split = _rt.group_splits(ck.group_split, geo.kv_group, key_tiles * geo.batch * geo.kv_heads, q.device)
+    dk, dv = (_group_partials(t, split) if split > 1 else torch.empty_like(t) for t in (k, v))
     bwd_kv = _for_lengths(_attn_bwd_kv_kernel, _attn_bwd_kv_any_length, geo)
-    bwd_kv[(_rt.cdiv(geo.nk, ck.block_n), geo.batch * geo.kv_heads)](
+    bwd_kv[(key_tiles, geo.batch * geo.kv_heads, split)](
         q,
         k,
         v,
@@ -2336,8 +2360,11 @@ def _backward(do, saved, geo, cfg):
         geo.scale,
         **meta,
         **_tiles(ck),
+        SPLIT=split,
         KEY_MAJOR=ck.key_major,
     )
+    if split > 1:
+        dk, dv = _sum_partials(dk, k, split), _sum_partials(dv, v, split)
     return dq, dk, dv, daq, dak, dbias
 
 

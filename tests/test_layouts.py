@@ -338,6 +338,37 @@ def test_grouped_query_attention_with_packed_sequences():
     assert_all_close(compare(spec, packed, cu_seqlens=cu, max_seqlen=21), "packed, H=4, H_kv=2")
 
 
+@pytest.mark.parametrize("split", slow_values([1, 2, 4], fast=[4]))
+def test_grouped_query_key_pass_split_over_programs(split):
+    """A group's heads over `split` key-pass programs (AttnTiles.group_split; their fp32 dK and dV added by the
+    host), packed and with dropout: the reference's gradients, the same bits on a second backward, and one
+    group's split the same dK, dV within fp32 rounding as the whole group in one program."""
+    from dataclasses import replace
+
+    from relgen.tiles.configs import INTERPRETER_CONFIG
+    from relgen.tiles.select import override_config
+
+    spec = load(QUERY_KEY)
+    config = replace(INTERPRETER_CONFIG, backward_kv=replace(INTERPRETER_CONFIG.key_pass, group_split=split))
+    cu = torch.tensor([0, 9, 30], dtype=torch.int32, device=DEVICE)
+    base = layout_inputs(spec, b=1, h=4, h_kv=1, nq=30, seed=13)
+    q, k, v = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (base.q, base.k, base.v))
+    packed = Inputs(q, k, v, base.tables)
+    bnhd = layout_inputs(spec, b=1, h=4, h_kv=1, nq=30, layout="bnhd", seed=14)
+    keep = dropout_keep_mask((1, 4, 30, 30), 0.3, 11, device=DEVICE)
+    with override_config(config):
+        assert_all_close(compare(spec, packed, cu_seqlens=cu, max_seqlen=21), f"packed, H_kv=1, split {split}")
+        dropped = dict(layout="bnhd", dropout_p=0.3, dropout_seed=11)
+        assert_all_close(compare(spec, bnhd, keep_mask=keep, **dropped), f"dropout, H_kv=1, split {split}")
+        first, second = gradient_runs(spec, bnhd, **dropped)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    whole = replace(config, backward_kv=replace(config.key_pass, group_split=1))
+    with override_config(whole):
+        (unsplit,) = gradient_runs(spec, bnhd, runs=1, **dropped)
+    for a, b in zip(first, unsplit, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("shapes", "argument"),
     [

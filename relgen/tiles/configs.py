@@ -20,6 +20,9 @@ class AttnTiles:
     #: transpose. On the H200 that wins for query+key specs (DeBERTa at 8K: 7.6 vs 10.2 ms backward) and loses for
     #: query-only ones (Shaw's key pass 2.86 vs 2.48 ms), so the tuner tries both
     key_major: bool = False
+    #: the key pass only: into how many programs a grouped-query group's heads split per key tile (each part's
+    #: fp32 dK and dV are added afterwards in a fixed order); 0: as many as the GPU needs (tiles.grid.group_splits)
+    group_split: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,11 @@ class KernelConfig:
             raise ValueError(f"tile sizes {bad} must divide the group size G={self.group}")
         if self.forward.key_major or self.backward.key_major:
             raise ValueError("key_major tiles are the key pass's only (KernelConfig.backward_kv)")
+        if self.forward.group_split or (self.backward_kv is not None and self.backward.group_split):
+            raise ValueError("group_split is the key pass's only (KernelConfig.backward_kv)")
+        split = self.key_pass.group_split
+        if split < 0:
+            raise ValueError(f"group_split: expected 0 (by the grid) or a part count ≥ 1, got {split}")
 
 
 #: The interpreter runs tiles as numpy arrays: small, unequal tiles keep tests quick and catch index mix-ups

@@ -1,5 +1,5 @@
-"""Launch grids of the host: ⌈a / b⌉, and how many programs the projection and the table reductions split into
-to fill the GPU."""
+"""Launch grids of the host: ⌈a / b⌉, and how many programs the projection, the key pass of grouped-query heads
+and the table reductions split into to fill the GPU."""
 
 from __future__ import annotations
 
@@ -32,3 +32,24 @@ def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
     if device.type != "cuda":
         return max(1, min(items, 2))  # at least one: an empty batch still writes its (zero) partial
     return max(1, min(items, math.ceil(2 * _sm_count(device) / max(column_programs, 1))))
+
+
+def group_splits(requested: int, kv_group: int, programs: int, device: torch.device) -> int:
+    """Into how many parts the key pass splits each grouped-query group's heads (AttnTiles.group_split; 0: here):
+    a group's heads run in one program per key tile, so a group of G heads leaves 1/G of the programs that full
+    heads would have; parts restore them while the GPU has fewer than 8 programs per SM (the key pass of Shaw at
+    8K, H = 16, H_kv = 4, B = 2: 1,024 programs on 132 SMs), at the cost of the fp32 partials' traffic. A part
+    count divides G. The interpreter splits groups of 4 and more in two, so that tests meet both forms."""
+    if requested:
+        if kv_group % requested:
+            raise ValueError(f"group_split: expected a divisor of the group's {kv_group} query heads, got {requested}")
+        return requested
+    if kv_group == 1:
+        return 1
+    if device.type != "cuda":
+        return 2 if kv_group >= 4 else 1
+    wanted = 8 * _sm_count(device)
+    for parts in range(1, kv_group + 1):
+        if kv_group % parts == 0 and programs * parts >= wanted:
+            return parts
+    return kv_group
