@@ -501,6 +501,32 @@ def test_projections_option(mha):
     torch.testing.assert_close(outputs["tiled"], outputs["stored"], rtol=1e-5, atol=1e-6)
 
 
+def test_layers_patched_together_are_budgeted_together(mha, monkeypatch):
+    """One patch() call tells each layer how many it served: their calls pass that as the mechanism's `layers`,
+    with which "auto" budgets the stored projections that training keeps in all of them at once."""
+    from relgen.runtime.mechanism import Mechanism
+
+    seen = []
+    original = Mechanism.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("layers"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Mechanism, "__call__", spy)
+    x = torch.randn(1, 12, D_MODEL)
+    inputs = dict(query=x, key=x, value=x, mask=nemo_mask(torch.ones(1, 12, dtype=torch.bool)), pos_emb=None)
+    inputs["pos_emb"] = positions(mha, x)
+    stack = torch.nn.ModuleList(attention(mha) for _ in range(3))
+    alone = attention(mha)
+    assert len(relgen.integrations.patch(stack)) == 3
+    relgen.integrations.patch(alone)
+    with torch.no_grad():
+        for module in (*stack, alone):
+            module(**inputs)
+    assert seen == [3, 3, 3, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
 def test_autocast_runs_the_kernels_in_fp32(mha, autocast):

@@ -218,6 +218,37 @@ def test_auto_switches_at_the_budget(monkeypatch):
     assert spy.ran() == "stored"  # a forced strategy whatever the budget
 
 
+def test_auto_budgets_the_layers_together(monkeypatch):
+    """`layers=L` (a model's layers in training, each keeping its forward's buffers until its backward): stored
+    while L forwards' bytes and one backward's on top fit, tiled one byte below; a call without autograd, or one
+    that recomputes its projections (its forward keeps none), is budgeted alone."""
+    spec = load("txl")
+    n, b, h, layers = 40, 1, 2, 3
+    inputs = make_inputs(spec, b=b, h=h, nq=n, d=D, device=DEVICE, seed=3)
+    fn = relgen.compile_mechanism(spec)
+    spy = Spy(monkeypatch, fn)
+    forward, backward, _ = identity_memory(b, h, n, GROUP, 4, 4)
+    together = backward + (layers - 1) * forward
+    args = (inputs.q, inputs.k, inputs.v)
+
+    def run(budget, grad=True, **options):
+        set_projection_budget(budget)
+        with torch.set_grad_enabled(grad):
+            told = fn.strategy(*args, **inputs.tables, layers=layers, **options)
+            fn(*args, **inputs.tables, layers=layers, **options)
+        assert told == spy.ran()
+        return told
+
+    assert run(together) == "stored"
+    assert run(together - 1) == "tiled"
+    assert run(forward, grad=False) == "stored"
+    assert run(backward, recompute_projections=True) == "stored"
+    assert run(backward - 1, recompute_projections=True) == "tiled"
+    for bad in (0, -2, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="layers: expected a positive int"):
+            fn(*args, **inputs.tables, layers=bad)
+
+
 def test_auto_under_the_budget_gives_the_reference_results():
     spec = load("shaw")
     inputs = make_inputs(spec, b=1, h=2, nq=40, d=D, device=DEVICE, seed=5)

@@ -96,7 +96,7 @@ def make_inputs(
 
 
 #: call options that choose how relgen computes, not what: the reference takes none of them
-_RELGEN_ONLY = ("recompute_projections", "dropout_seed", "ablation", "projections")
+_RELGEN_ONLY = ("recompute_projections", "dropout_seed", "ablation", "projections", "layers")
 
 
 def _pairs(spec, inputs: Inputs, check_grads: bool, options: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

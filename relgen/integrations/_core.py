@@ -44,6 +44,9 @@ class Adapter:
 
     `options` names the keyword options of `patch` that `prepare` accepts (NeMo's ``attention_dtype``): `patch`
     passes each to the `prepare` of the adapters that name it, as a keyword.
+
+    `patched(states)`, when given, receives once per `patch` call the states of every module the adapter prepared
+    in it, in the model's order (NeMo's layers learn how many of them keep stored projections in training).
     """
 
     family: str
@@ -53,6 +56,7 @@ class Adapter:
     attention: bool = True
     restore: Callable[[nn.Module, Any], None] | None = None
     options: tuple[str, ...] = ()
+    patched: Callable[[list[Any]], None] | None = None
 
 
 _ADAPTERS: list[Adapter] = []
@@ -123,6 +127,7 @@ def patch(model: nn.Module, *, strict: bool = False, **options: Any) -> list[str
     patched: list[str] = []
     refused: list[str] = []
     swapped: list[nn.Module] = []
+    prepared: dict[str, list[Any]] = {}
     for name, module in model.named_modules():
         adapter = next((a for a in _ADAPTERS if a.matches(module)), None)
         if adapter is None:
@@ -149,8 +154,12 @@ def patch(model: nn.Module, *, strict: bool = False, **options: Any) -> list[str
             raise
         _swap(module, adapter, state)
         swapped.append(module)
+        prepared.setdefault(adapter.family, []).append(state)
         if adapter.attention:
             patched.append(label)
+    for adapter in _ADAPTERS:
+        if adapter.patched is not None and adapter.family in prepared:
+            adapter.patched(prepared[adapter.family])
     if refused:
         warnings.warn("relgen.integrations: left on the model's own code: " + "; ".join(refused), stacklevel=2)
     if not patched and not refused:

@@ -39,7 +39,8 @@ NeMo's code (the kernels serve fp16, bf16 and fp32). Training-mode attention dro
 relation projections instead of keeping them: an identity map keeps H·T1·T2 of them per layer, which at long
 recordings is most of a training step's memory. The calls take ``projections="auto"`` (relgen.runtime.memory:
 stored projections while they fit the budget, else relation products inside the tiles where the kernels serve
-the call); ``patch(model, projections="stored")`` or ``"tiled"`` forces one.
+the call), budgeting in training for every layer the same `patch` call served (each keeps its projections until
+its backward: the mechanism's ``layers``); ``patch(model, projections="stored")`` or ``"tiled"`` forces one.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class _State:
     recompute_projections: bool
     projections: str  # the calls' projections= (relgen.runtime.memory): "auto" unless patch was given another
     windowed: dict[Window, Mechanism] = field(default_factory=dict)  # the spec with each window a call needed
+    # [the layers patched with this one]: in training each keeps its stored projections until its backward, and
+    # "auto" budgets for them together (the mechanism's `layers`)
+    layers: list[int] = field(default_factory=lambda: [1])
     # [(u, v, their versions, dtype and device, (u, v − u) in that dtype)]: kept across calls without autograd
     biases: list = field(default_factory=lambda: [None])
 
@@ -222,6 +226,7 @@ def _attend(
         dropout_p=module.dropout_rate if module.training else 0.0,
         recompute_projections=state.recompute_projections,
         projections=state.projections,
+        layers=state.layers[0],
     )
 
 
@@ -359,6 +364,11 @@ def _real(
     return (None if bool(query_valid.all()) else query_valid), key_valid
 
 
+def _patched(states: list[_State]) -> None:
+    for state in states:
+        state.layers[0] = len(states)
+
+
 register(
     Adapter(
         "nemo_conformer",
@@ -366,5 +376,6 @@ register(
         _prepare,
         _forward,
         options=("attention_dtype", "recompute_projections", "projections"),
+        patched=_patched,
     )
 )

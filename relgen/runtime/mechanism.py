@@ -31,6 +31,7 @@ from relgen.runtime.arguments import prepare_call, reach
 from relgen.runtime.geometry import Geometry
 from relgen.runtime.memory import (
     auto_strategy,
+    check_layers,
     check_strategy,
     in_tile_refusal,
     projection_budget,
@@ -176,15 +177,17 @@ class Mechanism:
 
     def __call__(
         self, q, k, v, aq=None, ak=None, bias=None, *, ablation: str | None = None, projections: str = "auto",
-        **options: Any,
+        layers: int = 1, **options: Any,
     ):  # fmt: skip
         """`projections`: how the relation products are formed (relgen.runtime.memory): "stored" (Z̃, the fastest),
         "tiled" (inside the tiles, linear memory; NotImplementedError for a call the in-tile variant does not
         serve; for a spec with no query or key term, the same kernels as "stored") or "auto" (stored while its
-        memory fits relgen.config.projection_budget(), else tiled where served). With an ablation, "auto" is
+        memory fits relgen.config.projection_budget(), else tiled where served). `layers`: how many calls like
+        this one keep their stored projections at once when differentiated (a model's attention layers in
+        training, each until its backward), which "auto" budgets for together. With an ablation, "auto" is
         "stored": the switches are measured against the stored path."""
         module = self._planned(q, k, v, options)
-        strategy = check_strategy(projections)
+        strategy, layers = check_strategy(projections), check_layers(layers)
         if ablation is not None:
             if strategy == "tiled" and ablation != "no_projections":
                 raise NotImplementedError(
@@ -193,14 +196,17 @@ class Mechanism:
                 )
             module, options = self._ablated(module, ablation, options)
         else:
-            module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options)
+            module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options, layers)
         return module.attention(q, k, v, aq, ak, bias, **options)
 
-    def strategy(self, q, k, v, aq=None, ak=None, bias=None, *, projections: str = "auto", **options: Any) -> str:
-        """The strategy, "stored" or "tiled", that `self(q, k, v, aq, ak, bias, projections=..., **options)` runs
-        (without running it)."""
+    def strategy(
+        self, q, k, v, aq=None, ak=None, bias=None, *, projections: str = "auto", layers: int = 1, **options: Any
+    ) -> str:
+        """The strategy, "stored" or "tiled", that `self(q, k, v, aq, ak, bias, projections=..., layers=...,
+        **options)` runs (without running it)."""
         module = self._planned(q, k, v, options)
-        module = self.strategy_module(module, check_strategy(projections), q, k, v, aq, ak, bias, options)
+        strategy, layers = check_strategy(projections), check_layers(layers)
+        module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options, layers)
         return "tiled" if module.PLAN.relations == "in_tile" else "stored"
 
     def _planned(self, q, k, v, options: dict[str, Any]) -> ModuleType:
@@ -214,9 +220,11 @@ class Mechanism:
                 raise ValueError(f"{name}: expected a bool, got {type(flag).__name__}")
         return module
 
-    def strategy_module(self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options) -> ModuleType:
+    def strategy_module(
+        self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options, layers: int = 1
+    ) -> ModuleType:
         """`module`, or its in-tile variant (built once) where `strategy` ("auto", "stored" or "tiled") has the
-        call form its relation products inside the tiles."""
+        call form its relation products inside the tiles (`layers`: as the call's)."""
         if strategy == "stored" or not self._projects:
             return module
         facts = (_packed(options), torch.compiler.is_compiling())
@@ -224,11 +232,11 @@ class Mechanism:
         if refusal is False:  # the plan is fixed: one refusal per (packed, compiling)
             refusal = self._refusals[facts] = in_tile_refusal(self.plan, packed=facts[0], compiling=facts[1])
         chosen = resolve_strategy(
-            strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options)
+            strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options, layers)
         )
         return self._variant(module, relations="in_tile") if chosen == "tiled" else module
 
-    def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any]) -> str:
+    def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any], layers: int = 1) -> str:
         """The choice of "auto" for a call the in-tile variant serves: "tiled" where its stored projections' memory
         (relgen.runtime.memory.projection_memory, at the backward's peak when autograd will differentiate the
         call) exceeds the budget. Decided once per kind of call (shapes, dtype, device, offsets, layout), from the
@@ -236,11 +244,14 @@ class Mechanism:
         if not isinstance(q, torch.Tensor):
             return "stored"  # the call's own checks name the problem
         backward = torch.is_grad_enabled() and _differentiated((q, k, v, aq, ak, bias))
+        layers = layers if backward else 1
+        recompute = options.get("recompute_projections", False)
         device = q.device
-        budget = projection_budget(device)
+        budget = projection_budget(device, layers)
         key = (
             module.PLAN.valid_up_to, q.shape, k.shape, q.dtype, device, options.get("layout"),
-            options.get("q_offset", 0), options.get("k_offset", 0), backward, budget, projection_storage(),
+            options.get("q_offset", 0), options.get("k_offset", 0), backward, budget, projection_storage(), layers,
+            recompute,
         )  # fmt: skip
         try:
             choice = None if overridden() else self._choices.get(key)
@@ -248,7 +259,7 @@ class Mechanism:
             choice = key = None
         if choice is None:
             geo = self.geometry(module, q, k, v, aq, ak, bias, options)
-            choice = auto_strategy(projection_memory(geo), budget, backward, geo)
+            choice = auto_strategy(projection_memory(geo), budget, backward, geo, layers, recompute)
             if key is not None and not overridden():  # a forced tile configuration may change G: not kept
                 with self._variants_lock:
                     if len(self._choices) >= KEPT_CHOICES:

@@ -41,6 +41,12 @@ PROJECTION_BUDGET_ENV = "RELGEN_PROJECTION_BUDGET"
 #: call then runs the same kernels at every step (a choice that followed the allocator's state could change between
 #: steps), and reading it costs no driver call per call.
 DEVICE_SHARE = 4
+#: the budget's share of the device for a call standing for several layers (the call option `layers`: a model's
+#: attention layers in training, each keeping its stored projections until its backward): their sum may take half
+#: the device, the other half holding the weights, optimizer state and the rest of the activations. (NeMo's
+#: Parakeet encoder, 24 layers, bf16, H200: at 15 minutes of audio the layers' stored projections take about
+#: 46 GiB of an 84 GiB peak, within this share; at 20 minutes about 80 GiB, beyond it.)
+TRAINING_SHARE = 2
 #: the budget without a CUDA device (Triton's interpreter on the CPU runs test-sized calls only): a fixed 1 GiB,
 #: so that the choice does not depend on the host
 CPU_BUDGET = 1 << 30
@@ -56,6 +62,15 @@ def check_strategy(projections: Any) -> str:
         shown = repr(projections) if isinstance(projections, str | None) else type(projections).__name__
         raise ValueError(f"projections: expected one of {PROJECTION_STRATEGIES}, got {shown[:80]}")
     return projections
+
+
+def check_layers(layers: Any) -> int:
+    """A call's `layers=` option (calls keeping their stored projections at once): a positive int, else a
+    ValueError naming it."""
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        shown = layers if isinstance(layers, int) else type(layers).__name__
+        raise ValueError(f"layers: expected a positive int (calls keeping their projections at once), got {shown}")
+    return layers
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -133,10 +148,18 @@ def tiled_measured_faster(geo: Geometry) -> bool:
     return False
 
 
-def auto_strategy(memory: ProjectionMemory, budget: int, backward: bool, geo: Geometry) -> str:
+def auto_strategy(
+    memory: ProjectionMemory, budget: int, backward: bool, geo: Geometry, layers: int = 1, recompute: bool = False
+) -> str:
     """The choice of "auto" for a call the in-tile variant serves: stored while its memory (the backward's peak
-    when the call will be differentiated) fits `budget` and no measurement says otherwise, else tiled."""
-    if memory.of("stored", backward) <= budget and not tiled_measured_faster(geo):
+    when the call will be differentiated) fits `budget` and no measurement says otherwise, else tiled. `layers`:
+    how many calls like it keep their forward's buffers at once when differentiated (a model's layers in training,
+    each until its backward): their sum, with one backward's buffers on top, must fit; `recompute`
+    (recompute_projections=True): a forward keeps none, so one call's peak is all that counts."""
+    need = memory.of("stored", backward)
+    if backward and not recompute:
+        need += (layers - 1) * memory.stored_forward
+    if need <= budget and not tiled_measured_faster(geo):
         return "stored"
     return "tiled"
 
@@ -174,7 +197,7 @@ def dense_geometry(
 # ------------------------------------------------------------------------------------------------------------
 #: [] until read; then [the explicit budget (set_projection_budget's, else $RELGEN_PROJECTION_BUDGET's) or None]
 _explicit: list[int | None] = []
-_device_budgets: dict[Any, int] = {}  # by the device as given
+_device_totals: dict[Any, int] = {}  # a CUDA device's total memory (0: no CUDA device), by the device as given
 
 
 def parse_budget(value: Any, name: str) -> int:
@@ -212,24 +235,27 @@ def budget_origin(device: torch.device | str | None = None) -> str:
     return f"1/{DEVICE_SHARE} of {torch.cuda.get_device_name(device)}'s memory"
 
 
-def projection_budget(device: torch.device | str | None = None) -> int:
+def projection_budget(device: torch.device | str | None = None, layers: int = 1) -> int:
     """The budget calls on `device` use now: set_projection_budget's, else $RELGEN_PROJECTION_BUDGET (read once),
-    else 1/DEVICE_SHARE of a CUDA device's total memory (CPU_BUDGET without one). Read on every call that
-    "auto" decides: the device's share is kept per device."""
+    else 1/DEVICE_SHARE of a CUDA device's total memory (1/TRAINING_SHARE for a call standing for `layers` > 1;
+    CPU_BUDGET without a CUDA device). Read on every call that "auto" decides: the device's share is kept per
+    device."""
     if not _explicit:
         text = os.environ.get(PROJECTION_BUDGET_ENV)
         _explicit[:] = [parse_budget(text, PROJECTION_BUDGET_ENV) if text else None]
     explicit = _explicit[0] if _explicit else None  # (another thread may have cleared it meanwhile)
     if explicit is not None:
         return explicit
-    budget = _device_budgets.get(device)
-    if budget is None:
+    total = _device_totals.get(device)
+    if total is None:
         where = torch.device(device) if device is not None else None
         if where is None or where.type != "cuda":
-            budget = CPU_BUDGET
+            total = 0
         else:
             index = where.index if where.index is not None else torch.cuda.current_device()
-            budget = torch.cuda.get_device_properties(index).total_memory // DEVICE_SHARE
+            total = torch.cuda.get_device_properties(index).total_memory
         if where is None or where.type != "cuda" or where.index is not None:  # "cuda" alone follows the current one
-            _device_budgets[device] = budget
-    return budget
+            _device_totals[device] = total
+    if not total:
+        return CPU_BUDGET
+    return total // (TRAINING_SHARE if layers > 1 else DEVICE_SHARE)

@@ -20,8 +20,9 @@ class AttnTiles:
     #: transpose. On the H200 that wins for query+key specs (DeBERTa at 8K: 7.6 vs 10.2 ms backward) and loses for
     #: query-only ones (Shaw's key pass 2.86 vs 2.48 ms), so the tuner tries both
     key_major: bool = False
-    #: the key pass only: into how many programs a grouped-query group's heads split per key tile (each part's
-    #: fp32 dK and dV are added afterwards in a fixed order); 0: as many as the GPU needs (tiles.grid.group_splits)
+    #: the key pass only: into how many programs (at most) a grouped-query group's heads split per key tile (each
+    #: part's fp32 dK and dV are added afterwards in a fixed order); 0: as many as the GPU needs
+    #: (tiles.grid.group_splits)
     group_split: int = 0
 
 

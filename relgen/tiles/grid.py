@@ -35,15 +35,14 @@ def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
 
 
 def group_splits(requested: int, kv_group: int, programs: int, device: torch.device) -> int:
-    """Into how many parts the key pass splits each grouped-query group's heads (AttnTiles.group_split; 0: here):
-    a group's heads run in one program per key tile, so a group of G heads leaves 1/G of the programs that full
-    heads would have; parts restore them while the GPU has fewer than 8 programs per SM (the key pass of Shaw at
-    8K, H = 16, H_kv = 4, B = 2: 1,024 programs on 132 SMs), at the cost of the fp32 partials' traffic. A part
-    count divides G. The interpreter splits groups of 4 and more in two, so that tests meet both forms."""
+    """Into how many parts the key pass splits each grouped-query group's heads (AttnTiles.group_split: at most
+    that many, the largest divisor of the group's size up to it; 0: chosen here). A group's heads run in one
+    program per key tile, so a group of G heads leaves 1/G of the programs that full heads would have; parts
+    restore them while the GPU has fewer than 8 programs per SM (the key pass of Shaw at 8K, H = 16, H_kv = 4,
+    B = 2: 1,024 programs on 132 SMs), at the cost of the fp32 partials' traffic. The interpreter splits groups of
+    4 and more in two, so that tests meet both forms."""
     if requested:
-        if kv_group % requested:
-            raise ValueError(f"group_split: expected a divisor of the group's {kv_group} query heads, got {requested}")
-        return requested
+        return max(p for p in range(1, min(requested, kv_group) + 1) if kv_group % p == 0)
     if kv_group == 1:
         return 1
     if device.type != "cuda":
