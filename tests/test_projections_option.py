@@ -220,8 +220,9 @@ def test_auto_switches_at_the_budget(monkeypatch):
 
 def test_auto_budgets_the_layers_together(monkeypatch):
     """`layers=L` (a model's layers in training, each keeping its forward's buffers until its backward): stored
-    while L forwards' bytes and one backward's on top fit, tiled one byte below; a call without autograd, or one
-    that recomputes its projections (its forward keeps none), is budgeted alone."""
+    while L forwards' bytes and one backward's on top fit; below that, stored with the projections recomputed in
+    the backward while one call's backward fits (the same gradients), tiled one byte below; a call without
+    autograd, or one that recomputes its projections (its forward keeps none), is budgeted alone."""
     spec = load("txl")
     n, b, h, layers = 40, 1, 2, 3
     inputs = make_inputs(spec, b=b, h=h, nq=n, d=D, device=DEVICE, seed=3)
@@ -231,19 +232,32 @@ def test_auto_budgets_the_layers_together(monkeypatch):
     together = backward + (layers - 1) * forward
     args = (inputs.q, inputs.k, inputs.v)
 
+    recomputed = []
+    original = fn.module.attention
+
+    def attention(*a, **kw):
+        recomputed.append(kw.get("recompute_projections", False))
+        return original(*a, **kw)
+
     def run(budget, grad=True, **options):
         set_projection_budget(budget)
         with torch.set_grad_enabled(grad):
             told = fn.strategy(*args, **inputs.tables, layers=layers, **options)
-            fn(*args, **inputs.tables, layers=layers, **options)
+            out = fn(*args, **inputs.tables, layers=layers, **options)
         assert told == spy.ran()
-        return told
+        return told, out
 
-    assert run(together) == "stored"
-    assert run(together - 1) == "tiled"
-    assert run(forward, grad=False) == "stored"
-    assert run(backward, recompute_projections=True) == "stored"
-    assert run(backward - 1, recompute_projections=True) == "tiled"
+    assert run(together)[0] == "stored"
+    monkeypatch.setattr(fn.module, "attention", attention)
+    kept = torch.autograd.grad(run(together)[1].sum(), args)
+    told, out = run(together - 1)
+    assert told == "stored" and recomputed == [False, True]
+    for a, b in zip(torch.autograd.grad(out.sum(), args), kept, strict=True):
+        assert torch.equal(a, b)
+    assert run(backward - 1)[0] == "tiled"
+    assert run(forward, grad=False)[0] == "stored"
+    assert run(backward, recompute_projections=True)[0] == "stored"
+    assert run(backward - 1, recompute_projections=True)[0] == "tiled"
     for bad in (0, -2, 1.5, True, "3"):
         with pytest.raises(ValueError, match="layers: expected a positive int"):
             fn(*args, **inputs.tables, layers=bad)

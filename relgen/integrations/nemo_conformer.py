@@ -40,7 +40,8 @@ relation projections instead of keeping them: an identity map keeps H·T1·T2 of
 recordings is most of a training step's memory. The calls take ``projections="auto"`` (relgen.runtime.memory:
 stored projections while they fit the budget, else relation products inside the tiles where the kernels serve
 the call), budgeting in training for every layer the same `patch` call served (each keeps its projections until
-its backward: the mechanism's ``layers``); ``patch(model, projections="stored")`` or ``"tiled"`` forces one.
+its backward: the mechanism's ``layers``; where they do not fit together, the calls recompute them in the
+backward); ``patch(model, projections="stored")`` or ``"tiled"`` forces one.
 """
 
 from __future__ import annotations

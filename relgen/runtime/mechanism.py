@@ -196,7 +196,9 @@ class Mechanism:
                 )
             module, options = self._ablated(module, ablation, options)
         else:
-            module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options, layers)
+            module, recompute = self._resolved(module, strategy, q, k, v, aq, ak, bias, options, layers)
+            if recompute:
+                options = {**options, "recompute_projections": True}
         return module.attention(q, k, v, aq, ak, bias, **options)
 
     def strategy(
@@ -206,7 +208,7 @@ class Mechanism:
         **options)` runs (without running it)."""
         module = self._planned(q, k, v, options)
         strategy, layers = check_strategy(projections), check_layers(layers)
-        module = self.strategy_module(module, strategy, q, k, v, aq, ak, bias, options, layers)
+        module, _ = self._resolved(module, strategy, q, k, v, aq, ak, bias, options, layers)
         return "tiled" if module.PLAN.relations == "in_tile" else "stored"
 
     def _planned(self, q, k, v, options: dict[str, Any]) -> ModuleType:
@@ -220,13 +222,18 @@ class Mechanism:
                 raise ValueError(f"{name}: expected a bool, got {type(flag).__name__}")
         return module
 
-    def strategy_module(
-        self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options, layers: int = 1
-    ) -> ModuleType:
+    def strategy_module(self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options) -> ModuleType:
         """`module`, or its in-tile variant (built once) where `strategy` ("auto", "stored" or "tiled") has the
-        call form its relation products inside the tiles (`layers`: as the call's)."""
+        call form its relation products inside the tiles."""
+        return self._resolved(module, strategy, q, k, v, aq, ak, bias, options)[0]
+
+    def _resolved(
+        self, module: ModuleType, strategy: str, q, k, v, aq, ak, bias, options, layers: int = 1
+    ) -> tuple[ModuleType, bool]:
+        """strategy_module's module, and whether "auto" has the call recompute its stored projections in the
+        backward instead of keeping them (`layers`: as the call's)."""
         if strategy == "stored" or not self._projects:
-            return module
+            return module, False
         facts = (_packed(options), torch.compiler.is_compiling())
         refusal = self._refusals.get(facts, False)
         if refusal is False:  # the plan is fixed: one refusal per (packed, compiling)
@@ -234,13 +241,16 @@ class Mechanism:
         chosen = resolve_strategy(
             strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options, layers)
         )
-        return self._variant(module, relations="in_tile") if chosen == "tiled" else module
+        if chosen == "tiled":
+            return self._variant(module, relations="in_tile"), False
+        return module, chosen == "recompute"
 
     def _auto(self, module: ModuleType, q, k, v, aq, ak, bias, options: dict[str, Any], layers: int = 1) -> str:
-        """The choice of "auto" for a call the in-tile variant serves: "tiled" where its stored projections' memory
-        (relgen.runtime.memory.projection_memory, at the backward's peak when autograd will differentiate the
-        call) exceeds the budget. Decided once per kind of call (shapes, dtype, device, offsets, layout), from the
-        geometry the call's own checks derive."""
+        """The choice of "auto" for a call the in-tile variant serves (relgen.runtime.memory.auto_strategy):
+        "tiled" where its stored projections' memory (projection_memory, at the backward's peak when autograd will
+        differentiate the call, with `layers` calls' kept forwards) exceeds the budget, "recompute" where only
+        the layers' kept projections do. Decided once per kind of call (shapes, dtype, device, offsets, layout,
+        layers), from the geometry the call's own checks derive."""
         if not isinstance(q, torch.Tensor):
             return "stored"  # the call's own checks name the problem
         backward = torch.is_grad_enabled() and _differentiated((q, k, v, aq, ak, bias))

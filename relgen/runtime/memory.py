@@ -6,7 +6,9 @@ memory each needs, and which one a call's `projections=` option runs.
                            entries per head, and a dZ̃ buffer of that size in the backward)
     projections="tiled"    nothing N × W: each band tile forms its products from Ã; linear memory
     projections="auto"     stored when its memory fits the budget (projection_budget), else tiled where the
-                           in-tile variant serves the call (in_tile_refusal), else stored
+                           in-tile variant serves the call (in_tile_refusal), else stored; a differentiated call
+                           standing for several layers (layers=) is stored without keeping its projections
+                           (recompute_projections) where only one layer's fit
 
 A spec without a query or key term (bias only) stores no projection: there "tiled" runs the same kernels as
 "stored". A call the in-tile variant does not serve is stored under "auto" whatever the budget: where its buffers
@@ -151,21 +153,27 @@ def tiled_measured_faster(geo: Geometry) -> bool:
 def auto_strategy(
     memory: ProjectionMemory, budget: int, backward: bool, geo: Geometry, layers: int = 1, recompute: bool = False
 ) -> str:
-    """The choice of "auto" for a call the in-tile variant serves: stored while its memory (the backward's peak
-    when the call will be differentiated) fits `budget` and no measurement says otherwise, else tiled. `layers`:
+    """The choice of "auto" for a call the in-tile variant serves: "stored" while its memory (the backward's peak
+    when the call will be differentiated) fits `budget` and no measurement says otherwise, else "tiled". `layers`:
     how many calls like it keep their forward's buffers at once when differentiated (a model's layers in training,
-    each until its backward): their sum, with one backward's buffers on top, must fit; `recompute`
-    (recompute_projections=True): a forward keeps none, so one call's peak is all that counts."""
-    need = memory.of("stored", backward)
-    if backward and not recompute:
-        need += (layers - 1) * memory.stored_forward
-    if need <= budget and not tiled_measured_faster(geo):
+    each until its backward): their sum, with one backward's buffers on top, must fit; where only one call's
+    backward does, "recompute" (stored, the forward keeping nothing: recompute_projections=True, which costs one
+    projection more per backward, where the in-tile products cost ~2× the step). `recompute` (the call's own
+    recompute_projections=True): a forward keeps none, so one call's peak is all that counts."""
+    if tiled_measured_faster(geo):
+        return "tiled"
+    alone = memory.of("stored", backward)
+    kept = (layers - 1) * memory.stored_forward if backward and not recompute else 0
+    if alone + kept <= budget:
         return "stored"
+    if kept and alone <= budget:
+        return "recompute"
     return "tiled"
 
 
 def resolve_strategy(strategy: str, projects: bool, refusal: str | None, auto: Callable[[], str]) -> str:
-    """The strategy a call runs, "stored" or "tiled", for its `projections=` option `strategy`: `projects`, whether
+    """The strategy a call runs, "stored" or "tiled" (or auto's "recompute"), for its `projections=` option
+    `strategy`: `projects`, whether
     the spec has a query or key term (without one "tiled" is "stored": nothing is stored); `refusal`,
     in_tile_refusal's for the call ("tiled" then raises NotImplementedError naming it, "auto" stores); `auto`,
     the choice of "auto" where the in-tile variant serves the call (auto_strategy), asked only then."""

@@ -38,16 +38,18 @@ def group_splits(requested: int, kv_group: int, programs: int, device: torch.dev
     """Into how many parts the key pass splits each grouped-query group's heads (AttnTiles.group_split: at most
     that many, the largest divisor of the group's size up to it; 0: chosen here). A group's heads run in one
     program per key tile, so a group of G heads leaves 1/G of the programs that full heads would have; parts
-    restore them while the GPU has fewer than 8 programs per SM (the key pass of Shaw at 8K, H = 16, H_kv = 4,
-    B = 2: 1,024 programs on 132 SMs), at the cost of the fp32 partials' traffic. The interpreter splits groups of
-    4 and more in two, so that tests meet both forms."""
+    restore them while the GPU has fewer programs than SMs (a short sequence, a small batch, one key/value head),
+    at the cost of the fp32 partials' traffic. With the GPU full they gain nothing: Shaw at 8K, H = 16, H_kv = 4,
+    B = 2 (1,024 programs on 132 SMs) ran its key pass in 3.714 ms whole and 3.676 ms in two parts, its step in
+    8.192 and 8.211 ms (docs/performance.md, section 19). The interpreter splits groups of 4 and more in two, so
+    that tests meet both forms."""
     if requested:
         return max(p for p in range(1, min(requested, kv_group) + 1) if kv_group % p == 0)
     if kv_group == 1:
         return 1
     if device.type != "cuda":
         return 2 if kv_group >= 4 else 1
-    wanted = 8 * _sm_count(device)
+    wanted = _sm_count(device)
     for parts in range(1, kv_group + 1):
         if kv_group % parts == 0 and programs * parts >= wanted:
             return parts
