@@ -173,10 +173,10 @@ def auto_strategy(
 
 def resolve_strategy(strategy: str, projects: bool, refusal: str | None, auto: Callable[[], str]) -> str:
     """The strategy a call runs, "stored" or "tiled" (or auto's "recompute"), for its `projections=` option
-    `strategy`: `projects`, whether
-    the spec has a query or key term (without one "tiled" is "stored": nothing is stored); `refusal`,
-    in_tile_refusal's for the call ("tiled" then raises NotImplementedError naming it, "auto" stores); `auto`,
-    the choice of "auto" where the in-tile variant serves the call (auto_strategy), asked only then."""
+    `strategy`: `projects`, whether the spec has a query or key term (without one "tiled" is "stored": nothing is
+    stored); `refusal`, in_tile_refusal's for the call ("tiled" then raises NotImplementedError naming it, "auto"
+    stores); `auto`, the choice of "auto" where the in-tile variant serves the call (auto_strategy), asked only
+    then."""
     if strategy == "stored" or not projects:
         return "stored"
     if refusal:
