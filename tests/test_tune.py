@@ -121,7 +121,10 @@ def test_key_pass_tiles_round_trip_through_the_table():
     split = dataclasses.replace(CONFIG, backward_kv=AttnTiles(32, 64, 8, 2))
     assert split.key_pass == AttnTiles(32, 64, 8, 2) and CONFIG.key_pass == CONFIG.backward
     entry = tune.config_entry(split)
-    assert entry["backward_kv"] == {"block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 2, "key_major": False}
+    assert entry["backward_kv"] == {
+        "block_m": 32, "block_n": 64, "num_warps": 8, "num_stages": 2, "key_major": False, "group_split": 0
+    }  # fmt: skip
+    assert AttnTiles(**entry["backward_kv"]) == split.key_pass
     assert "backward_kv" not in tune.config_entry(CONFIG)
     assert "/ kv 32x64 w8 s2 |" in tune.backward_label(split)
     key_major = dataclasses.replace(CONFIG, backward_kv=AttnTiles(32, 64, 8, 2, key_major=True))
