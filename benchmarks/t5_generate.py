@@ -12,10 +12,8 @@ import time
 
 import torch
 import transformers
-from models import t5_config
+from models import FAMILIES, build, t5_config
 from torch.profiler import ProfilerActivity, profile
-
-import relgen.integrations as ri
 
 TOKENS = 32
 
@@ -61,12 +59,7 @@ def main() -> None:
     torch.manual_seed(0)
     weights = transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation="eager").state_dict()
     for system in ["eager", "sdpa", "relgen"]:
-        implementation = "eager" if system == "relgen" else system
-        model = transformers.T5ForConditionalGeneration._from_config(cfg, attn_implementation=implementation)
-        model.load_state_dict(weights)
-        model.cuda().eval()
-        if system == "relgen":
-            ri.patch(model)
+        model = build(FAMILIES["t5"], cfg, weights, system).eval()
         generate_calls(model, ids, mask, system, batch, n)
         del model
         torch.cuda.empty_cache()
