@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 import relgen
 from relgen.check.verify import Inputs, assert_all_close, compare, make_inputs
 
-__all__ = ["MAP_KINDS", "SPECS", "Inputs", "assert_all_close", "compare", "make_inputs", "random_specs"]
+__all__ = ["MAP_KINDS", "QUERY_KEY", "SPECS", "Inputs", "assert_all_close", "compare", "make_inputs", "random_specs"]
 
 SPECS = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder", "txl_uv")
 MAP_KINDS = ("identity", "clipped", "t5", "log", "boundaries", "expression")
+#: query and key terms (Z̃^Q and Z̃^K) on a small clipped map: both passes' relation gradients, quick in the interpreter
+QUERY_KEY = {"name": "qk_clipped", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 6}}
 
 
 @st.composite

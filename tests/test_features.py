@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import assert_all_close, compare, make_inputs
+from kernel_cases import QUERY_KEY, assert_all_close, compare, make_inputs
 from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -130,10 +130,6 @@ def _output_and_gradients(fn, inputs, **options):
     leaves = list(inputs.leaves.values())
     out = fn(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
     return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
-
-
-#: query and key terms on a small clipped map: both passes' relation gradients, quick in the interpreter
-QUERY_KEY = {"name": "qk_clipped", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 6}}
 
 
 @SLOW

@@ -515,8 +515,8 @@ def test_layers_patched_together_are_budgeted_together(mha, monkeypatch):
 
     monkeypatch.setattr(Mechanism, "__call__", spy)
     x = torch.randn(1, 12, D_MODEL)
-    inputs = dict(query=x, key=x, value=x, mask=nemo_mask(torch.ones(1, 12, dtype=torch.bool)), pos_emb=None)
-    inputs["pos_emb"] = positions(mha, x)
+    mask = nemo_mask(torch.ones(1, 12, dtype=torch.bool))
+    inputs = dict(query=x, key=x, value=x, mask=mask, pos_emb=positions(mha, x))
     stack = torch.nn.ModuleList(attention(mha) for _ in range(3))
     alone = attention(mha)
     assert len(relgen.integrations.patch(stack)) == 3

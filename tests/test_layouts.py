@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import Inputs, assert_all_close, compare, make_inputs
+from kernel_cases import QUERY_KEY, Inputs, assert_all_close, compare, make_inputs
 from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,8 +18,6 @@ from relgen.testing import check_close, dropout_keep_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-#: query and key terms (Z̃^Q and Z̃^K) on a small clipped map, quick in the interpreter
-QUERY_KEY = {"name": "qk_clipped", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 6}}
 #: ±δ share a row: the atomic path
 ATOMIC = {
     "name": "atomic17",
