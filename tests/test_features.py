@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import QUERY_KEY, assert_all_close, compare, make_inputs
+from kernel_cases import LOG_QUERY_KEY, QUERY_KEY, assert_all_close, compare, make_inputs
 from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -20,7 +20,7 @@ SYMMETRIC = {
     "terms": ["query", "key"],
     "map": {"kind": "expression", "expr": "Min(Abs(delta), 9)", "rows": 10},
 }
-FEATURE_SPECS = ["shaw", "txl", "deberta_v3", "t5_decoder", SYMMETRIC]
+FEATURE_SPECS = ["shaw", "txl", LOG_QUERY_KEY, "t5_decoder", SYMMETRIC]
 
 
 def load(name):
@@ -69,7 +69,7 @@ def test_causal_offset_leaving_no_key_gives_zero():
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["deberta_v3", "t5", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", SYMMETRIC], ids=_id)
 def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     spec = load(name)
     b, h, n, p, seed = 2, 2, 45, 0.3, 1234
@@ -170,7 +170,7 @@ def test_return_lse(name):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", "deberta_v3", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY, SYMMETRIC], ids=_id)
 def test_recompute_projections_gives_the_same_gradients(name):
     spec = load(name)
     inputs = make_inputs(spec, b=1, h=2, nq=40, d=16, device=DEVICE)
@@ -191,7 +191,7 @@ def test_recompute_projections_gives_the_same_gradients(name):
 
 @SLOW
 def test_scale_override():
-    spec = load("deberta_v3")
+    spec = load(LOG_QUERY_KEY)
     inputs = make_inputs(spec, b=1, h=2, nq=20, d=16, device=DEVICE)
     assert_all_close(compare(spec, inputs, scale=0.7), "scale=0.7")
 
@@ -240,7 +240,7 @@ def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["txl", "deberta_v3", "t5_decoder", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", ["txl", LOG_QUERY_KEY, "t5_decoder", SYMMETRIC], ids=_id)
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 def test_packed_sequences(name, dropout):
     """Each packed sequence attends only within itself; identity tables have R = 2·max_seqlen − 1."""
@@ -301,7 +301,7 @@ class _Allocations(TorchDispatchMode):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", "deberta_v3"])
+@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY], ids=_id)
 def test_backward_keeps_no_fp32_copy_of_a_token_tensor(name):
     """dQ and dK are completed in place by the token reductions: an fp32 partial the size of q (k) would add
     B·H·N·d·4 bytes to the backward's peak (48 MiB at 8K, the gap to the paper's figures)."""

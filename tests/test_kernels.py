@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from kernel_cases import SPECS, assert_all_close, compare, make_inputs, random_specs
+from kernel_cases import LOG_QUERY_KEY, SPECS, assert_all_close, compare, make_inputs, random_specs
 from tiers import SLOW, slow_values
 
 import relgen
@@ -27,6 +27,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def spec_path(name: str) -> Path:
     return ROOT / "specs" / f"{name}.yaml"
+
+
+def load(name: str | dict) -> relgen.MechanismSpec:
+    """A shipped spec by name, or a spec given as a dict (kernel_cases.LOG_QUERY_KEY)."""
+    return relgen.load_spec(name if isinstance(name, dict) else spec_path(name))
+
+
+def _id(name: str | dict) -> str:
+    return name if isinstance(name, str) else name["name"]
 
 
 @pytest.mark.parametrize("n", slow_values([1, 17, 130], fast=[17]))
@@ -66,7 +75,7 @@ def test_half_precision_bias_tables(name):
 
 @SLOW
 @pytest.mark.parametrize("key_major", [False, True], ids=["query-major", "key-major"])
-@pytest.mark.parametrize("name", ["deberta_v3", "t5_decoder", "symmetric"])
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5_decoder", "symmetric"], ids=_id)
 def test_key_pass_orientations_are_exact(name, key_major):
     """Both orientations of the key pass's score tiles (AttnTiles.key_major, chosen by the tuner), with dropout, a
     key padding mask, causality and the atomic path: the interpreter's default is key-major."""
@@ -79,7 +88,7 @@ def test_key_pass_orientations_are_exact(name, key_major):
             }
         )
     else:
-        spec = relgen.load_spec(spec_path(name))
+        spec = load(name)
     b, h, n, p, seed = 2, 2, 40, 0.25, 7
     inputs = make_inputs(spec, b=b, h=h, nq=n, d=16, device=DEVICE, seed=4)
     kpm = torch.ones(b, n, dtype=torch.bool, device=DEVICE)
@@ -88,7 +97,7 @@ def test_key_pass_orientations_are_exact(name, key_major):
     tiles = AttnTiles(32, 16, key_major=key_major)
     with override_config(dataclasses.replace(INTERPRETER_CONFIG, backward_kv=tiles)):
         results = compare(spec, inputs, key_padding_mask=kpm, dropout_p=p, dropout_seed=seed, keep_mask=keep)
-    assert_all_close(results, f"{name} key pass {tiles}")
+    assert_all_close(results, f"{_id(name)} key pass {tiles}")
 
 
 @SLOW
@@ -191,9 +200,9 @@ def test_atomic_fallback_plan_and_result():
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["deberta_v3", "t5", "txl"])
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", "txl"], ids=_id)
 def test_offset_path_backward_is_bitwise_deterministic(name):
-    spec = relgen.load_spec(spec_path(name))
+    spec = load(name)
     inputs = make_inputs(spec, b=2, h=2, nq=70, d=16, device=DEVICE, seed=5)
     first, second = gradient_runs(spec, inputs, runs=2)
     for a, b in zip(first, second, strict=True):
@@ -237,16 +246,16 @@ def test_generated_module_is_up_to_date(name):
     "ablation",
     slow_values(relgen.runtime.mechanism.ABLATIONS, fast=["atomic_gradients", "no_projections"]),
 )
-@pytest.mark.parametrize("name", slow_values(["deberta_v3", "t5"], slow=["deberta_v3"]))
+@pytest.mark.parametrize("name", slow_values([LOG_QUERY_KEY, "t5"], slow=[LOG_QUERY_KEY]), ids=_id)
 def test_ablation_switches_stay_exact(name, ablation):
     """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""
-    spec = relgen.load_spec(spec_path(name))
+    spec = load(name)
     inputs = make_inputs(spec, b=1, h=2, nq=45, d=16, device=DEVICE, seed=2)
     if ablation == "no_projections" and not (spec.has_query or spec.has_key):
         with pytest.raises(NotImplementedError, match=r"^ablation no_projections: t5 has no projection"):
             compare(spec, inputs, ablation=ablation)
         return
-    assert_all_close(compare(spec, inputs, ablation=ablation), f"{name} ablation={ablation}")
+    assert_all_close(compare(spec, inputs, ablation=ablation), f"{_id(name)} ablation={ablation}")
 
 
 IN_TILE_SPECS = [
