@@ -3,6 +3,8 @@ from relgen.check.verify, the one implementation that `relgen check` uses too), 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import strategies as st
 
 import relgen
@@ -16,10 +18,13 @@ __all__ = [
     "Inputs",
     "assert_all_close",
     "compare",
+    "load",
     "make_inputs",
     "random_specs",
+    "spec_id",
 ]
 
+SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
 SPECS = ("shaw", "txl", "deberta_v3", "t5", "wav2vec2_bert", "t5_decoder", "txl_uv")
 MAP_KINDS = ("identity", "clipped", "t5", "log", "boundaries", "expression")
 #: query and key terms (Z̃^Q and Z̃^K) on a small clipped map: both passes' relation gradients, quick in the interpreter
@@ -33,6 +38,16 @@ LOG_QUERY_KEY = {
     "map": {"kind": "log", "position_buckets": 8, "max_position": 32},
     "scale": "1/sqrt(3*d)",
 }
+
+
+def load(name: str | dict) -> relgen.MechanismSpec:
+    """A shipped spec by its name (specs/<name>.yaml), or a spec given as a dict (QUERY_KEY, LOG_QUERY_KEY, ...)."""
+    return relgen.load_spec(name if isinstance(name, dict) else SPEC_DIR / f"{name}.yaml")
+
+
+def spec_id(name: str | dict) -> str:
+    """A test id for `load`'s argument: the name, or the dict's "name"."""
+    return name if isinstance(name, str) else name["name"]
 
 
 @st.composite

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import LOG_QUERY_KEY, SPECS, make_inputs
+from kernel_cases import LOG_QUERY_KEY, SPECS, load, make_inputs, spec_id
 from tiers import SLOW, slow_values
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,14 +20,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 #: the shipped specs, DeBERTa's as its small-table form (log buckets, query and key terms; kernel_cases)
 COMPILE_SPECS = [LOG_QUERY_KEY if name == "deberta_v3" else name for name in SPECS]
-
-
-def load(name):
-    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
-
-
-def _id(name):
-    return name if isinstance(name, str) else name["name"]
 
 
 @pytest.fixture(autouse=True)
@@ -92,10 +84,10 @@ def assert_same_bits(spec_name, inputs, backend=None, **options):
         "dv",
         *(f"d{t}" for t in inputs.tables),
     ]
-    assert_equal_bits(got, want, _id(spec_name), names)
+    assert_equal_bits(got, want, spec_id(spec_name), names)
 
 
-@pytest.mark.parametrize("name", slow_values(COMPILE_SPECS, fast=["t5_decoder"]), ids=_id)
+@pytest.mark.parametrize("name", slow_values(COMPILE_SPECS, fast=["t5_decoder"]), ids=spec_id)
 def test_compiled_call_gives_the_eager_bits(name):
     inputs = make_inputs(load(name), b=2, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=3)
     assert_same_bits(name, inputs)
@@ -112,7 +104,7 @@ def test_compiled_call_gives_the_eager_bits(name):
         ("t5", {"dropout_p": 0.2, "dropout_seed": 1234}),
         ("wav2vec2_bert", {"scale": 0.3}),
     ],
-    ids=lambda x: _id(x) if isinstance(x, str) or "name" in x else "-".join(x),  # a spec, or the options' names
+    ids=lambda x: spec_id(x) if isinstance(x, str) or "name" in x else "-".join(x),  # a spec, or the options' names
 )
 def test_compiled_call_options(name, options):
     inputs = make_inputs(load(name), b=2, h=2, nq=33, nk=33, d=16, device=DEVICE, seed=4, length=42)
@@ -124,7 +116,7 @@ def test_compiled_call_options(name, options):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["txl", LOG_QUERY_KEY], ids=_id)
+@pytest.mark.parametrize("name", ["txl", LOG_QUERY_KEY], ids=spec_id)
 def test_compiled_packed_sequences(name):
     spec = load(name)
     lengths = [5, 33, 1, 20]

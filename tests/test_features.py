@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import LOG_QUERY_KEY, QUERY_KEY, assert_all_close, compare, make_inputs
+from kernel_cases import LOG_QUERY_KEY, QUERY_KEY, assert_all_close, compare, load, make_inputs, spec_id
 from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,23 +23,15 @@ SYMMETRIC = {
 FEATURE_SPECS = ["shaw", "txl", LOG_QUERY_KEY, "t5_decoder", SYMMETRIC]
 
 
-def load(name):
-    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
-
-
-def _id(name):
-    return name if isinstance(name, str) else name["name"]
-
-
 @SLOW
-@pytest.mark.parametrize("name", FEATURE_SPECS, ids=_id)
+@pytest.mark.parametrize("name", FEATURE_SPECS, ids=spec_id)
 def test_key_padding_mask_with_a_fully_padded_row(name):
     spec = load(name)
     inputs = make_inputs(spec, b=3, h=2, nq=37, nk=37, d=16, device=DEVICE, seed=11)
     mask = torch.ones(3, 37, dtype=torch.bool, device=DEVICE)
     mask[1, 20:] = False
     mask[2, :] = False  # nothing to attend to: output 0 and gradient 0, never NaN
-    assert_all_close(compare(spec, inputs, key_padding_mask=mask), f"{_id(name)} padding")
+    assert_all_close(compare(spec, inputs, key_padding_mask=mask), f"{spec_id(name)} padding")
     out = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, key_padding_mask=mask)
     assert torch.all(out[2] == 0)
 
@@ -48,7 +40,7 @@ OFFSETS = [(1, 40, 39, 0), (16, 48, 32, 0), (20, 20, 0, 7), (33, 21, 5, 9)]
 
 
 # the fast tier keeps one spec's KV-cache decoding step
-@pytest.mark.parametrize("name", slow_values(FEATURE_SPECS, fast=["txl"]), ids=_id)
+@pytest.mark.parametrize("name", slow_values(FEATURE_SPECS, fast=["txl"]), ids=spec_id)
 @pytest.mark.parametrize(("nq", "nk", "q_offset", "k_offset"), slow_values(OFFSETS, fast=[(1, 40, 39, 0)]))
 def test_position_offsets(name, nq, nk, q_offset, k_offset):
     """KV-cache decoding (Nq = 1), chunked prefill, and keys that start later than the queries."""
@@ -56,7 +48,7 @@ def test_position_offsets(name, nq, nk, q_offset, k_offset):
     length = max(q_offset + nq, k_offset + nk)
     inputs = make_inputs(spec, b=1, h=2, nq=nq, nk=nk, d=16, device=DEVICE, seed=nq, length=length)
     assert_all_close(
-        compare(spec, inputs, q_offset=q_offset, k_offset=k_offset), f"{_id(name)} offsets {q_offset},{k_offset}"
+        compare(spec, inputs, q_offset=q_offset, k_offset=k_offset), f"{spec_id(name)} offsets {q_offset},{k_offset}"
     )
 
 
@@ -69,7 +61,7 @@ def test_causal_offset_leaving_no_key_gives_zero():
 
 
 @SLOW
-@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", SYMMETRIC], ids=spec_id)
 def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     spec = load(name)
     b, h, n, p, seed = 2, 2, 45, 0.3, 1234
@@ -77,7 +69,7 @@ def test_dropout_matches_reference_with_the_kernels_keep_mask(name):
     keep = dropout_keep_mask((b, h, n, n), p, seed, device=DEVICE)
     assert 0.6 < keep.float().mean().item() < 0.8
     results = compare(spec, inputs, dropout_p=p, dropout_seed=seed, keep_mask=keep)
-    assert_all_close(results, f"{_id(name)} dropout")
+    assert_all_close(results, f"{spec_id(name)} dropout")
 
 
 @SLOW
@@ -133,7 +125,7 @@ def _output_and_gradients(fn, inputs, **options):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5"], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5"], ids=spec_id)
 def test_a_tensor_seed_draws_the_ints_mask(name):
     """dropout_seed as a one-element tensor (read by the kernels, for CUDA graphs) gives the bits an int seed
     gives, in every pass; the caller's tensor may change once the forward has been called."""
@@ -170,7 +162,7 @@ def test_return_lse(name):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY, SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY, SYMMETRIC], ids=spec_id)
 def test_recompute_projections_gives_the_same_gradients(name):
     spec = load(name)
     inputs = make_inputs(spec, b=1, h=2, nq=40, d=16, device=DEVICE)
@@ -240,7 +232,7 @@ def test_bad_input_raises_value_error_naming_the_argument(changes, argument):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["txl", LOG_QUERY_KEY, "t5_decoder", SYMMETRIC], ids=_id)
+@pytest.mark.parametrize("name", ["txl", LOG_QUERY_KEY, "t5_decoder", SYMMETRIC], ids=spec_id)
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 def test_packed_sequences(name, dropout):
     """Each packed sequence attends only within itself; identity tables have R = 2·max_seqlen − 1."""
@@ -260,7 +252,7 @@ def test_packed_sequences(name, dropout):
         seed = 77
         keep = dropout_keep_mask((len(lengths), 2, longest, longest), dropout, seed, device=DEVICE)
         options.update(dropout_p=dropout, dropout_seed=seed, keep_mask=keep)
-    assert_all_close(compare(spec, inputs, **options), f"{_id(name)} packed dropout={dropout}")
+    assert_all_close(compare(spec, inputs, **options), f"{spec_id(name)} packed dropout={dropout}")
 
 
 @pytest.mark.parametrize(
@@ -301,7 +293,7 @@ class _Allocations(TorchDispatchMode):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", LOG_QUERY_KEY], ids=spec_id)
 def test_backward_keeps_no_fp32_copy_of_a_token_tensor(name):
     """dQ and dK are completed in place by the token reductions: an fp32 partial the size of q (k) would add
     B·H·N·d·4 bytes to the backward's peak (48 MiB at 8K, the gap to the paper's figures)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from kernel_cases import LOG_QUERY_KEY, SPECS, assert_all_close, compare, make_inputs, random_specs
+from kernel_cases import LOG_QUERY_KEY, SPECS, assert_all_close, compare, load, make_inputs, random_specs, spec_id
 from tiers import SLOW, slow_values
 
 import relgen
@@ -25,23 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def spec_path(name: str) -> Path:
-    return ROOT / "specs" / f"{name}.yaml"
-
-
-def load(name: str | dict) -> relgen.MechanismSpec:
-    """A shipped spec by name, or a spec given as a dict (kernel_cases.LOG_QUERY_KEY)."""
-    return relgen.load_spec(name if isinstance(name, dict) else spec_path(name))
-
-
-def _id(name: str | dict) -> str:
-    return name if isinstance(name, str) else name["name"]
-
-
 @pytest.mark.parametrize("n", slow_values([1, 17, 130], fast=[17]))
 @pytest.mark.parametrize("name", slow_values(SPECS, slow=["deberta_v3"]))
 def test_shipped_spec_matches_reference(name, n):
-    spec = relgen.load_spec(spec_path(name))
+    spec = load(name)
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=16, device=DEVICE, seed=n)
     assert_all_close(compare(spec, inputs), f"{name} N={n}")
 
@@ -50,7 +37,7 @@ def test_shipped_spec_matches_reference(name, n):
 @pytest.mark.parametrize("name", ["shaw", "txl", "deberta_v3", "t5"])
 def test_other_table_layout(name):
     """The paper's specs with the other table layout (shared ↔ per head), Nq ≠ Nk, batch 2."""
-    data = relgen.load_spec(spec_path(name)).model_dump()
+    data = load(name).model_dump()
     data["heads_share_tables"] = not data["heads_share_tables"]
     spec = relgen.load_spec(data)
     inputs = make_inputs(spec, b=2, h=2, nq=45, nk=38, d=32, device=DEVICE, seed=3)
@@ -62,11 +49,11 @@ def test_other_table_layout(name):
 def test_half_precision_bias_tables(name):
     """A bias table in the inputs' half precision, as the benchmark passes it."""
     if name == "query_bias":
-        data = relgen.load_spec(spec_path("shaw")).model_dump()
+        data = load("shaw").model_dump()
         data["terms"] = ["query", "bias"]  # b̃ folded into Z̃^Q
         spec = relgen.load_spec(data)
     else:
-        spec = relgen.load_spec(spec_path(name))
+        spec = load(name)
     inputs = make_inputs(
         spec, b=1, h=2, nq=70, nk=61, d=16, dtype=torch.float16, device=DEVICE, seed=5, bias_dtype=torch.float16
     )
@@ -75,7 +62,7 @@ def test_half_precision_bias_tables(name):
 
 @SLOW
 @pytest.mark.parametrize("key_major", [False, True], ids=["query-major", "key-major"])
-@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5_decoder", "symmetric"], ids=_id)
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5_decoder", "symmetric"], ids=spec_id)
 def test_key_pass_orientations_are_exact(name, key_major):
     """Both orientations of the key pass's score tiles (AttnTiles.key_major, chosen by the tuner), with dropout, a
     key padding mask, causality and the atomic path: the interpreter's default is key-major."""
@@ -97,7 +84,7 @@ def test_key_pass_orientations_are_exact(name, key_major):
     tiles = AttnTiles(32, 16, key_major=key_major)
     with override_config(dataclasses.replace(INTERPRETER_CONFIG, backward_kv=tiles)):
         results = compare(spec, inputs, key_padding_mask=kpm, dropout_p=p, dropout_seed=seed, keep_mask=keep)
-    assert_all_close(results, f"{_id(name)} key pass {tiles}")
+    assert_all_close(results, f"{spec_id(name)} key pass {tiles}")
 
 
 @SLOW
@@ -107,7 +94,7 @@ def test_interior_band_tiles_with_the_gpus_tiles(name):
     use: a partial last query tile, Nq ≠ Nk, and key-pass query tiles of 32 rows against 64 keys."""
     from relgen.tiles import tuning
 
-    spec = relgen.load_spec(spec_path(name))
+    spec = load(name)
     family = tuning.plan_family(relgen.compile_mechanism(spec).module.PLAN)
     config = tuning.table_config("90", family, torch.float16, 64, 512)
     assert config is not None
@@ -200,7 +187,7 @@ def test_atomic_fallback_plan_and_result():
 
 
 @SLOW
-@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", "txl"], ids=_id)
+@pytest.mark.parametrize("name", [LOG_QUERY_KEY, "t5", "txl"], ids=spec_id)
 def test_offset_path_backward_is_bitwise_deterministic(name):
     spec = load(name)
     inputs = make_inputs(spec, b=2, h=2, nq=70, d=16, device=DEVICE, seed=5)
@@ -237,7 +224,7 @@ def test_generated_module_is_up_to_date(name):
         )
     built = ROOT / "generated" / f"{name}.py"
     assert built.exists(), f"generated/{name}.py is missing: run `relgen build specs/*.yaml`"
-    expected = codegen.format_source(codegen.render(relgen.plan.analyze(relgen.load_spec(spec_path(name)))))
+    expected = codegen.format_source(codegen.render(relgen.plan.analyze(load(name))))
     assert built.read_text() == expected, f"generated/{name}.py drifted from specs/ and templates/: rebuild it"
 
 
@@ -246,7 +233,7 @@ def test_generated_module_is_up_to_date(name):
     "ablation",
     slow_values(relgen.runtime.mechanism.ABLATIONS, fast=["atomic_gradients", "no_projections"]),
 )
-@pytest.mark.parametrize("name", slow_values([LOG_QUERY_KEY, "t5"], slow=[LOG_QUERY_KEY]), ids=_id)
+@pytest.mark.parametrize("name", slow_values([LOG_QUERY_KEY, "t5"], slow=[LOG_QUERY_KEY]), ids=spec_id)
 def test_ablation_switches_stay_exact(name, ablation):
     """The paper's Table 7 switches (relgen bench --ablation) change the cost, never the result."""
     spec = load(name)
@@ -255,7 +242,7 @@ def test_ablation_switches_stay_exact(name, ablation):
         with pytest.raises(NotImplementedError, match=r"^ablation no_projections: t5 has no projection"):
             compare(spec, inputs, ablation=ablation)
         return
-    assert_all_close(compare(spec, inputs, ablation=ablation), f"{_id(name)} ablation={ablation}")
+    assert_all_close(compare(spec, inputs, ablation=ablation), f"{spec_id(name)} ablation={ablation}")
 
 
 IN_TILE_SPECS = [
@@ -312,20 +299,20 @@ def test_projections_by_row_on_random_specs(spec, nq, nk):
 
 
 def test_projections_by_row_are_r_wide_and_refused_without_copies():
-    deberta = relgen.compile_mechanism(relgen.load_spec(spec_path("deberta_v3")))
+    deberta = relgen.compile_mechanism(load("deberta_v3"))
     by_row = deberta._variant(deberta.module_for(300), projections="by_row")
     inputs = make_inputs(deberta.spec, b=1, h=1, nq=300, d=16, device=DEVICE)
     tables = [inputs.tables.get(name) for name in ("aq", "ak", "bias")]
     geo = prepare_call(by_row.PLAN, inputs.q, inputs.k, inputs.v, *tables).geo
     assert geo.projection_columns(True) == geo.projection_columns(False) == (512, 512)  # not C = 1019 columns
-    shaw = relgen.load_spec(spec_path("shaw"))
+    shaw = load("shaw")
     inputs = make_inputs(shaw, b=1, h=2, nq=9, d=16, device=DEVICE)
     with pytest.raises(NotImplementedError, match=r"^ablation no_bucket_copies: shaw has no bucket copies"):
         relgen.compile_mechanism(shaw)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_bucket_copies")
 
 
 def test_unknown_ablation_is_refused():
-    spec = relgen.load_spec(spec_path("t5"))
+    spec = load("t5")
     inputs = make_inputs(spec, b=1, h=2, nq=5, d=16, device=DEVICE)
     with pytest.raises(ValueError, match=r"^ablation"):
         relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, ablation="no_such_thing")
@@ -345,7 +332,7 @@ QUERY_BIAS = {"name": "qb", "terms": ["query", "bias"], "map": {"kind": "clipped
 def test_forward_writes_the_projection_kernels_rows(name, nq, nk):
     """gen.fused_zq: the forward's programs write Z̃^Q (with a folded b̃) and its end columns themselves; they equal
     what _project_kernel writes, bitwise, on every column a kernel reads (the window's W; the rest is padding)."""
-    spec = relgen.load_spec(name if isinstance(name, dict) else spec_path(name))
+    spec = load(name)
     mechanism = relgen.compile_mechanism(spec)
     module = mechanism.module
     assert codegen.GenerationFlags.from_plan(mechanism.plan).fused_zq
@@ -365,5 +352,5 @@ def test_forward_writes_the_projection_kernels_rows(name, nq, nk):
 def test_unbounded_maps_keep_the_projection_launch():
     """An identity map's window grows with N (TXL: W = N + G − 1 columns per query), so its forward does not write
     Z̃^Q itself."""
-    plan = relgen.compile_mechanism(relgen.load_spec(spec_path("txl"))).plan
+    plan = relgen.compile_mechanism(load("txl")).plan
     assert not codegen.GenerationFlags.from_plan(plan).fused_zq

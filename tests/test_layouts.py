@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import QUERY_KEY, Inputs, assert_all_close, compare, make_inputs
+from kernel_cases import QUERY_KEY, Inputs, assert_all_close, compare, load, make_inputs, spec_id
 from tiers import SLOW, slow_values
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -26,14 +26,6 @@ ATOMIC = {
 }
 
 
-def load(name):
-    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
-
-
-def _id(name):
-    return name if isinstance(name, str) else name["name"]
-
-
 def layout_inputs(spec, *, b=1, h=2, h_kv=None, nq=20, nk=None, d=16, layout="bhnd", seed=0, dtype=torch.float32):
     """make_inputs' q, k, v and tables, with k and v cut to their first h_kv heads and all three in `layout`, each
     a contiguous leaf in that layout (tables per query head)."""
@@ -47,11 +39,11 @@ def layout_inputs(spec, *, b=1, h=2, h_kv=None, nq=20, nk=None, d=16, layout="bh
 
 # -- layout="bnhd" ------------------------------------------------------------------------------------------------
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5_decoder", ATOMIC], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", QUERY_KEY, "t5_decoder", ATOMIC], ids=spec_id)
 def test_bnhd_matches_the_reference(name):
     spec = load(name)
     inputs = layout_inputs(spec, b=2, h=2, nq=29, nk=21, layout="bnhd", seed=1)
-    assert_all_close(compare(spec, inputs, layout="bnhd"), f"{_id(name)} bnhd")
+    assert_all_close(compare(spec, inputs, layout="bnhd"), f"{spec_id(name)} bnhd")
 
 
 @SLOW
@@ -93,7 +85,7 @@ class _Copies(TorchDispatchMode):
 
 
 @SLOW
-@pytest.mark.parametrize("name", ["shaw", QUERY_KEY], ids=_id)
+@pytest.mark.parametrize("name", ["shaw", QUERY_KEY], ids=spec_id)
 def test_bnhd_copies_no_token_tensor(name):
     """q, k, v, O, dO and the gradients stay where they are: the kernels index [B, H, N, d] views of them. O and
     dq, dk, dv come back contiguous in [B, N, H, d]."""
@@ -205,13 +197,13 @@ def test_bad_layout_arguments_raise_value_error_naming_them(changes, argument):
 @pytest.mark.parametrize(
     ("name", "d"),
     [("shaw", 24), (QUERY_KEY, 80), (ATOMIC, 96), ("t5_decoder", 256)],
-    ids=lambda x: _id(x) if not isinstance(x, int) else f"d{x}",
+    ids=lambda x: spec_id(x) if not isinstance(x, int) else f"d{x}",
 )
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_padded_head_dims_match_the_reference(name, d, layout):
     spec = load(name)
     inputs = layout_inputs(spec, b=1, h=2, nq=21, nk=19, d=d, layout=layout, seed=d)
-    assert_all_close(compare(spec, inputs, layout=layout), f"{_id(name)} d={d} {layout}")
+    assert_all_close(compare(spec, inputs, layout=layout), f"{spec_id(name)} d={d} {layout}")
 
 
 @pytest.mark.parametrize("d", [8, 20, 100, 264, 512])
@@ -276,12 +268,12 @@ def test_wide_head_dims_get_tiles_that_fit_shared_memory(monkeypatch):
         ],
         fast=[(ATOMIC, 2, 1, "bnhd", 24)],
     ),
-    ids=lambda x: _id(x) if isinstance(x, dict) else str(x),
+    ids=lambda x: spec_id(x) if isinstance(x, dict) else str(x),
 )
 def test_grouped_query_attention_matches_the_reference(name, h, h_kv, layout, d):
     spec = load(name)
     inputs = layout_inputs(spec, b=1, h=h, h_kv=h_kv, nq=23, nk=18, d=d, layout=layout, seed=h_kv)
-    assert_all_close(compare(spec, inputs, layout=layout), f"{_id(name)} H={h} H_kv={h_kv} {layout} d={d}")
+    assert_all_close(compare(spec, inputs, layout=layout), f"{spec_id(name)} H={h} H_kv={h_kv} {layout} d={d}")
 
 
 @SLOW
@@ -424,13 +416,13 @@ def _compare_long(spec, inputs, dtype, layout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1000, 4096, 8192])
 @pytest.mark.parametrize(
-    ("name", "layout", "h", "h_kv", "d"), GPU_CASES, ids=lambda x: _id(x) if isinstance(x, dict) else str(x)
+    ("name", "layout", "h", "h_kv", "d"), GPU_CASES, ids=lambda x: spec_id(x) if isinstance(x, dict) else str(x)
 )
 def test_layouts_and_grouped_query_attention_on_gpu(name, layout, h, h_kv, d, n, dtype):
     spec = load(name)
     inputs = layout_inputs(spec, b=1, h=h, h_kv=h_kv, nq=n, d=d, layout=layout, seed=n + d, dtype=dtype)
     results = _compare_long(spec, inputs, dtype, layout)
-    assert_all_close(results, f"{_id(name)} {layout} H={h} H_kv={h_kv} d={d} N={n} {dtype}")
+    assert_all_close(results, f"{spec_id(name)} {layout} H={h} H_kv={h_kv} d={d} N={n} {dtype}")
 
 
 @pytest.mark.gpu

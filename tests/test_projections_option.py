@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import assert_all_close, compare, make_inputs
+from kernel_cases import assert_all_close, compare, load, make_inputs
 from tiers import slow_values
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -28,10 +28,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 16
 #: the kernels' group size G: the interpreter's small tiles on the CPU, 128 on a GPU (every tuned entry's too)
 GROUP = INTERPRETER_CONFIG.group if DEVICE == "cpu" else GROUP_SIZE
-
-
-def load(name):
-    return relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import assert_all_close, compare, make_inputs
+from kernel_cases import assert_all_close, compare, load, make_inputs
 from tiers import SLOW
 
 import relgen
@@ -33,10 +33,6 @@ UNPROVEN = {
     "terms": ["bias"],
     "map": {"kind": "expression", "expr": "floor(Max(Min(delta, 5), -5) / 2) + 5 + delta - delta", "rows": 11},
 }
-
-
-def load(name):
-    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
 
 
 def call(name, b=2, h=2, n=8, **options):

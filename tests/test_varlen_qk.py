@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_cases import Inputs, assert_all_close, compare
+from kernel_cases import Inputs, assert_all_close, compare, load
 
 import relgen
 from relgen import reference
@@ -35,10 +35,6 @@ CAUSAL_QK = {
     "map": {"kind": "clipped", "min": -6, "max": 5},
     "causal": True,
 }
-
-
-def load(name):
-    return relgen.load_spec(name if isinstance(name, dict) else ROOT / "specs" / f"{name}.yaml")
 
 
 def starts(lengths, device=DEVICE):

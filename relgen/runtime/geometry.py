@@ -383,9 +383,7 @@ class Geometry:
         if self.path == "atomic":  # W = C = R: every window starts at row 0
             r = self.rows
             stride = self.row_stride(r)
-            return Reduction(
-                columns=r, width=r, stride=stride, doff=self.doff, low=self.low, prec="ieee", aligned=True
-            )
+            return Reduction(columns=r, width=r, stride=stride, doff=self.doff, low=self.low, prec="ieee", aligned=True)
         width = self.wq if query_side else self.wk
         return Reduction(
             columns=self.c,
