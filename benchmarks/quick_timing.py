@@ -1,12 +1,13 @@
 """Quick relgen-only timing on a GPU (a development aid; the benchmark that compares peers is `relgen bench`).
 
 python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT] [--check]
-    [--descriptors]
+    [--descriptors] [--dropout P]
 
 A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --check adds "exact": the same
 kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.check.verify);
 with --descriptors, the check's calls take the tensor-descriptor paths whatever their size
-(relgen.runtime.descriptors.forced), as the timed calls of 16K tokens at N ≥ 2K do.
+(relgen.runtime.descriptors.forced), as the timed calls of 16K tokens at N ≥ 2K do. --dropout P times the calls with
+attention dropout at rate P (a fixed seed: the kernels' work does not depend on it).
 """
 
 from __future__ import annotations
@@ -31,14 +32,21 @@ def spec_path(name: str) -> Path:
     return Path(name) if name.endswith(".yaml") else ROOT / "specs" / f"{name}.yaml"
 
 
-def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dtype=torch.float16) -> dict:
+def measure(
+    name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dtype=torch.float16, dropout: float = 0.0
+) -> dict:
     spec = relgen.load_spec(spec_path(name))
     b = max(1, tokens // n)
     rows = spec.map.num_rows(n)
     # every table in the inputs' dtype, as the benchmark's
     made = make_inputs(spec, b=b, h=h, nq=n, d=d, dtype=dtype, device="cuda", bias_dtype=dtype)
     q, k, v, tables = made.q, made.k, made.v, made.tables
-    fn = relgen.compile_mechanism(spec)
+    mechanism = relgen.compile_mechanism(spec)
+    options = {"dropout_p": dropout, "dropout_seed": 1234} if dropout else {}
+
+    def fn(*args, **kwargs):
+        return mechanism(*args, **kwargs, **options)
+
     t = time.time()
     out = fn(q, k, v, **tables)
     leaves = [q, k, v, *tables.values()]
@@ -70,6 +78,7 @@ def measure(name: str, n: int, tokens: int = 16384, h: int = 12, d: int = 64, dt
         "fwd_tflops": flops / fwd * 1e-9,
         "bwd_tflops": 2 * flops / bwd * 1e-9,
         "sdpa_fwd_ms": sdpa,
+        **({"dropout_p": dropout} if dropout else {}),
     }
 
 
@@ -80,12 +89,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--check", action="store_true", help="also compare with the FP64 reference")
     parser.add_argument("--descriptors", action="store_true", help="the check with descriptors forced on")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout rate of the timed calls")
     args = parser.parse_args()
     rows = []
     for name in args.specs.split(","):
         for n in (int(x) for x in args.seq_lens.split(",")):
             try:
-                r = measure(name, n)
+                r = measure(name, n, dropout=args.dropout)
                 if args.check:
                     with descriptors.forced(True) if args.descriptors else contextlib.nullcontext():
                         checked = check_spec(spec_path(name), [n], "cuda")

@@ -907,7 +907,7 @@ def _fwd_range(
                 KEY_MAJOR=False,
                 MODE=DROPOUT,
             )
-            p = tl.where(keep, p / (1.0 - drop.dropout_p), 0.0)
+            p = tl.where(keep, p * (1.0 / (1.0 - drop.dropout_p)), 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -1179,7 +1179,7 @@ def _probabilities(
             KEY_MAJOR=KEY_MAJOR,
             MODE=DROPOUT,
         )
-        p_kept = tl.where(keep, p / (1.0 - drop.dropout_p), 0.0)
+        p_kept = tl.where(keep, p * (1.0 / (1.0 - drop.dropout_p)), 0.0)
     else:
         p_kept = p
     return p, p_kept

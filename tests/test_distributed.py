@@ -68,7 +68,7 @@ class Case:
 CASES = {
     2: [
         Case("shaw-contiguous", "shaw", "contiguous"),
-        # dropout: the unsharded call's mask; k_offset 3 (and 5 below) is not a multiple of four: one Philox call
+        # dropout: the unsharded call's mask; k_offset 3 (and 5 below) is not a multiple of eight: one Philox call
         # per score
         Case("txl-zigzag-offsets-dropout", "txl", "zigzag", offsets=(5, 3), dropout=0.25),
         Case("log-contiguous-padding", LOG, "contiguous", padding=True),
@@ -401,7 +401,7 @@ def test_merging_chunk_partials_gives_the_softmax_over_every_key(cuts, seed, hid
 
 @INTERPRETED
 def test_a_ring_of_one_in_zigzag_chunks_draws_the_unsharded_dropout_mask():
-    """Four chunk pairs at their own offsets (keys from position 2: no chunk starts on a multiple of four) draw
+    """Four chunk pairs at their own offsets (keys from position 2: no chunk starts on a multiple of eight) draw
     the unsharded call's mask: the same output and gradients, and the mask `dropout_keep_mask` regenerates."""
     import relgen
     import relgen.distributed as rd

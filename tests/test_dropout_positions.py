@@ -1,8 +1,10 @@
 """Dropout keyed by absolute positions: the stream against Philox 4x32-10's published answers and an independent
 scalar rendering of its definition, the mask of a part of a sequence as that part of the whole mask, and the
-kernels at offsets (on and off multiples of four) against the FP64 reference with the regenerated mask."""
+kernels at offsets (on and off multiples of eight) against the FP64 reference with the regenerated mask."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -30,13 +32,12 @@ def _philox_scalar(counter: tuple[int, int, int, int], key: int) -> tuple[int, .
 
 
 def _kept(seed: int, b: int, h: int, i: int, j: int, p: float) -> bool:
-    """Whether score (b, h, I = i, J = j) is kept: word J mod 4 of Philox((I, ⌊J/4⌋, b, h)), as a uniform in fp32
-    the way tl.uint_to_uniform_float maps it, against p in fp32."""
-    word = _philox_scalar((i, j // 4, b, h), seed)[j % 4]
-    signed = word - (1 << 32) if word >= 1 << 31 else word
-    folded = -signed - 1 if signed < 0 else signed
-    uniform = torch.tensor(folded, dtype=torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
-    return bool(uniform >= torch.tensor(p, dtype=torch.float32))
+    """Whether score (b, h, I = i, J = j) is kept: half J mod 2 (0: low) of word (J mod 8) // 2 of
+    Philox((I, ⌊J/8⌋, b, h)), at least ⌈p·2¹⁶⌉ for p in fp32."""
+    word = _philox_scalar((i, j // 8, b, h), seed)[(j % 8) // 2]
+    half = (word >> 16 * (j % 2)) & 0xFFFF
+    p32 = float(torch.tensor(p, dtype=torch.float32))
+    return half >= math.ceil(p32 * 2**16)
 
 
 # Random123's known-answer vectors for philox4x32 with 10 rounds: counter, key (k1·2³² + k0), the four words
@@ -84,7 +85,7 @@ def test_the_mask_is_a_function_of_absolute_positions(seed, q_offset, k_offset, 
     seed=st.integers(0, 2**40),
 )
 def test_a_part_of_a_sequence_draws_that_part_of_the_whole_mask(q0, k0, nq, nk, seed):
-    """Whatever the lengths and offsets (on a multiple of four or not): a chunk's mask is the whole call's."""
+    """Whatever the lengths and offsets (on a multiple of eight or not): a chunk's mask is the whole call's."""
     whole = dropout_keep_mask((1, 2, 64, 64), 0.4, seed)
     part = dropout_keep_mask((1, 2, nq, nk), 0.4, seed, q_offset=q0, k_offset=k0)
     assert torch.equal(part, whole[:, :, q0 : q0 + nq, k0 : k0 + nk])
@@ -97,6 +98,14 @@ def test_the_batch_and_head_words_keep_streams_apart():
     assert torch.equal(dropout_keep_mask((2, 5, 16, 16), 0.5, 3)[:, :2], keep)
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_the_kept_share_is_one_minus_p(p):
+    """A quarter of a million scores keep 1 − p of them, to within four standard deviations."""
+    keep = dropout_keep_mask((1, 2, 512, 256), p, 2024)
+    sigma = math.sqrt(p * (1 - p) / keep.numel())
+    assert abs(keep.float().mean().item() - (1 - p)) < 4 * sigma
+
+
 def test_bad_offsets_name_the_argument():
     with pytest.raises(ValueError, match="k_offset"):
         dropout_keep_mask((1, 1, 4, 4), 0.1, 1, k_offset=-1)
@@ -106,7 +115,7 @@ def test_bad_offsets_name_the_argument():
 
 @pytest.mark.parametrize(("name", "q_offset", "k_offset"), [("t5", 6, 8), ("t5", 6, 3), ("t5_decoder", 9, 1)])
 def test_kernels_at_offsets_draw_the_regenerated_mask(name, q_offset, k_offset):
-    """The forward and both backward passes at offsets (k_offset on a multiple of four: one Philox call per four
+    """The forward and both backward passes at offsets (k_offset on a multiple of eight: one Philox call per eight
     scores; off it: one per score) against the FP64 reference with the mask dropout_keep_mask regenerates."""
     spec = relgen.load_spec(SPECS[name])
     b, h, nq, nk, p, seed = 1, 2, 24, 28, 0.3, 77

@@ -1,29 +1,40 @@
 """Attention dropout's random stream (relgen.runtime.dropout) in torch: the keep mask a call draws, regenerated from the
-seed and the absolute positions by the same Philox 4x32-10 the kernels run (`tl.philox`), on any device, without a
-kernel. Also which of the kernels' dropout modes a call takes. Pure torch: importing it defines no kernel."""
+seed and the absolute positions by the same Philox 4x32-10 the kernels run (`tl.philox`), read as the same 16-bit
+halves, on any device, without a kernel. Also which of the kernels' dropout modes a call takes. Pure torch:
+importing it defines no kernel."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["DROPOUT_ALIGNED", "DROPOUT_OFF", "DROPOUT_PER_SCORE", "dropout_mode", "keep_mask", "philox4x32"]
+__all__ = [
+    "DROPOUT_ALIGNED",
+    "DROPOUT_OFF",
+    "DROPOUT_PER_SCORE",
+    "dropout_mode",
+    "keep_mask",
+    "philox4x32",
+    "threshold",
+]
 
-#: the kernels' DROPOUT constexpr: off, one Philox call per four scores, one per score (k_offset not a multiple of 4)
+#: the kernels' DROPOUT constexpr: off, one Philox call per eight scores, one per score (k_offset not a multiple of 8)
 DROPOUT_OFF, DROPOUT_ALIGNED, DROPOUT_PER_SCORE = 0, 1, 2
 #: Philox 4x32's round multipliers and key increments (Salmon et al., Random123; Triton's tl.philox)
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _ROUNDS = 10  # tl.philox's default
 _WORD = 0xFFFFFFFF
-#: uint → [0, 1) as tl.uint_to_uniform_float does for 32-bit words
-_UNIFORM_SCALE = 4.6566127342e-10
+#: keys per Philox call: four 32-bit words, a 16-bit half per key
+GROUP = 8
 
 
 def dropout_mode(dropout_p: float, k_offset: int) -> int:
     """The kernels' DROPOUT constexpr for a call with this dropout_p and k_offset."""
     if not dropout_p:
         return DROPOUT_OFF
-    return DROPOUT_ALIGNED if k_offset % 4 == 0 else DROPOUT_PER_SCORE
+    return DROPOUT_ALIGNED if k_offset % GROUP == 0 else DROPOUT_PER_SCORE
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -50,11 +61,10 @@ def philox4x32(counter: tuple[torch.Tensor, ...], seed: int) -> tuple[torch.Tens
     return c0, c1, c2, c3
 
 
-def _uniform(words: torch.Tensor) -> torch.Tensor:
-    """tl.uint_to_uniform_float of 32-bit words: the word as an int32, folded onto [0, 2³¹), in fp32 × 2⁻³¹."""
-    signed = torch.where(words >= 1 << 31, words - (1 << 32), words)
-    folded = torch.where(signed < 0, -signed - 1, signed)
-    return folded.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=words.device)
+def threshold(p: float) -> int:
+    """The least 16-bit half that keeps a score: ⌈p·2¹⁶⌉ of p in fp32, as the kernels compute it (exact: p·2¹⁶ in
+    fp32 only moves p's exponent)."""
+    return math.ceil(float(torch.tensor(p, dtype=torch.float32)) * 65536.0)
 
 
 def keep_mask(
@@ -63,7 +73,7 @@ def keep_mask(
     """The bool keep mask [B, H, Nq, Nk] a call with `dropout_p=p, dropout_seed=seed` and these offsets uses
     (packed sequences: [S, H, max_seqlen, max_seqlen], offsets 0)."""
     b, h, nq, nk = shape
-    first, last = k_offset // 4, (k_offset + nk + 3) // 4  # the groups of keys k_offset … k_offset + nk − 1
+    first, last = k_offset // GROUP, (k_offset + nk + GROUP - 1) // GROUP  # the groups of keys k_offset … + nk − 1
 
     def axis(values: torch.Tensor, dim: int) -> torch.Tensor:
         return values.to(device).reshape([-1 if d == dim else 1 for d in range(4)])
@@ -74,7 +84,7 @@ def keep_mask(
         axis(torch.arange(b), 0),
         axis(torch.arange(h), 1),
     )
-    words = torch.stack(philox4x32(counter, seed), dim=-1).reshape(b, h, nq, 4 * (last - first))
-    start = k_offset - 4 * first
-    uniform = _uniform(words[..., start : start + nk])
-    return uniform >= torch.tensor(p, dtype=torch.float32, device=uniform.device)
+    words = torch.stack(philox4x32(counter, seed), dim=-1)  # [B, H, Nq, groups, 4]
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).reshape(b, h, nq, GROUP * (last - first))
+    start = k_offset - GROUP * first
+    return halves[..., start : start + nk] >= threshold(p)
