@@ -1776,6 +1776,8 @@ def _reduce_table_kernel(
     WDZ_A,
     items_per_chunk,
     n_items,
+    groups_per_run,
+    runs,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -1791,19 +1793,20 @@ def _reduce_table_kernel(
     X_GROUP: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    """One fp32 partial per chunk of (batch[, head]) items: dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃.
-    Chunks are summed afterwards in a fixed order, so no atomics are needed. Query head h's x_t is head
-    h // X_GROUP's of X (K's under grouped-query attention)."""
+    """One fp32 partial per chunk of (batch[, head]) items and run of token groups (tiles.grid.table_partials):
+    dÃ[s] = Σ_t dZ̃[t, s − start(t)] x_t, db̃[s] = Σ_t dZ̃. The partials are summed afterwards in a fixed order, so
+    no atomics are needed. Query head h's x_t is head h // X_GROUP's of X (K's under grouped-query attention)."""
     # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
     WDZ, sx = _wide(WDZ_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64)
     pid_s, pid_h, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, run = pid_c // runs, pid_c % runs
     s_lo = pid_s * BLOCK_S
     offs_s = s_lo + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
     acc_b = tl.zeros([BLOCK_S], tl.float32)
-    item_end = tl.minimum((pid_c + 1) * items_per_chunk, n_items)
-    for item in range(pid_c * items_per_chunk, item_end):
+    item_end = tl.minimum((chunk + 1) * items_per_chunk, n_items)
+    for item in range(chunk * items_per_chunk, item_end):
         if SHARED:
             bh = item
         else:
@@ -1818,7 +1821,8 @@ def _reduce_table_kernel(
         win_base = _window_base(SIGN, DOFF, nk, LOW, GROUP)
         dz_bh = DZ + row0.to(tl.int64) * WDZ
         X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
-        for g in range(0, tl.cdiv(Ntok, GROUP)):
+        g_first = run * groups_per_run
+        for g in range(g_first, tl.minimum(g_first + groups_per_run, tl.cdiv(Ntok, GROUP))):
             start = _window_start(g, GROUP, SIGN, win_base, C, W)
             if ALIGNED:  # the host checked that every window starts on a multiple of 16: say so, for vector loads
                 start = (start // 16) * 16
@@ -2143,11 +2147,13 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         )
     heads = 1 if geo.heads_share_tables else geo.heads
     items = geo.batch * geo.heads if geo.heads_share_tables else geo.batch
-    chunks = _rt.table_chunks(items, heads * _rt.cdiv(red.columns, c.block_s), x.device)
-    per_chunk = _rt.cdiv(items, chunks)
-    dt_part = torch.empty((chunks, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
-    db_part = torch.empty((chunks, heads, red.columns), device=x.device, dtype=torch.float32)
-    grid = (_rt.cdiv(red.columns, c.block_s), heads, chunks)
+    groups = _rt.cdiv(ntok, geo.group)
+    chunks, runs = _rt.table_partials(items, groups, heads * _rt.cdiv(red.columns, c.block_s), x.device)
+    per_chunk, per_run = _rt.cdiv(items, chunks), _rt.cdiv(groups, runs)
+    parts = chunks * runs
+    dt_part = torch.empty((parts, heads, red.columns, geo.head_dim), device=x.device, dtype=torch.float32)
+    db_part = torch.empty((parts, heads, red.columns), device=x.device, dtype=torch.float32)
+    grid = (_rt.cdiv(red.columns, c.block_s), heads, parts)
     _reduce_table_kernel[grid](
         dz,
         dz_bounds,
@@ -2164,6 +2170,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         red.stride_units,
         per_chunk,
         items,
+        per_run,
+        runs,
         HEAD_DIM=geo.head_dim,
         BLOCK_D=geo.block_d,
         BLOCK_S=c.block_s,
@@ -2182,8 +2190,8 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
         num_stages=c.num_stages,
     )
 
-    def total(part):  # one chunk: the partial is the sum (no copy at the backward's peak)
-        return part[0] if chunks == 1 else part.sum(0)
+    def total(part):  # one partial: it is the sum (no copy at the backward's peak)
+        return part[0] if parts == 1 else part.sum(0)
 
     return (total(dt_part) if want_table else None), (total(db_part) if want_bias else None)
 

@@ -15,7 +15,7 @@ from relgen.runtime.custom_ops import register as register_custom_ops  # noqa: E
 from relgen.runtime.descriptors import kv_descriptors  # noqa: E402
 from relgen.runtime.geometry import ROW_ALIGN, PlanInfo, int64_offsets  # noqa: E402
 from relgen.runtime.launch import Launcher  # noqa: E402
-from relgen.tiles.grid import cdiv, column_splits, group_splits, table_chunks  # noqa: E402
+from relgen.tiles.grid import cdiv, column_splits, group_splits, table_partials  # noqa: E402
 
 __all__ = [
     "ROW_ALIGN",
@@ -34,5 +34,5 @@ __all__ = [
     "prepare_call",
     "register_custom_ops",
     "seed_snapshot",
-    "table_chunks",
+    "table_partials",
 ]

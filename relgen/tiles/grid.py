@@ -27,11 +27,21 @@ def column_splits(token_programs: int, column_blocks: int, device: torch.device)
     return max(1, min(column_blocks, math.ceil(4 * _sm_count(device) / max(token_programs, 1))))
 
 
-def table_chunks(items: int, column_programs: int, device: torch.device) -> int:
-    """How many fp32 partials the table reductions write: enough programs to fill the GPU, no more."""
+#: programs per SM the table reductions aim for (each streams its dZ̃ rows one dependent load after another); more
+#: parts would add fp32 partials at the backward's peak
+TABLE_PROGRAMS_PER_SM = 2
+
+
+def table_partials(items: int, groups: int, column_programs: int, device: torch.device) -> tuple[int, int]:
+    """How the table reductions split each column block's work, one fp32 partial per part: (chunks of the
+    batch[·head] items, runs of a sequence's token groups). Enough parts to fill the GPU, no more: whole items
+    first, then runs of groups (a long sequence at B = 1 is one item). The interpreter splits both in two where
+    it can, so that tests meet every form."""
     if device.type != "cuda":
-        return max(1, min(items, 2))  # at least one: an empty batch still writes its (zero) partial
-    return max(1, min(items, math.ceil(2 * _sm_count(device) / max(column_programs, 1))))
+        return max(1, min(items, 2)), max(1, min(groups, 2))  # ≥ 1: an empty batch still writes its zero partial
+    wanted = math.ceil(TABLE_PROGRAMS_PER_SM * _sm_count(device) / max(column_programs, 1))
+    chunks = max(1, min(items, wanted))
+    return chunks, max(1, min(groups, -(-wanted // chunks)))
 
 
 def group_splits(requested: int, kv_group: int, programs: int, device: torch.device) -> int:
