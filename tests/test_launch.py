@@ -13,11 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
 from relgen.runtime import launch
-from relgen.runtime.launch import Launcher, _fingerprint, _width
+from relgen.runtime.launch import Launcher, _class_of, _fingerprint, _int_class, _width
 
 
 def triton_specialisation(arg):
@@ -62,6 +64,16 @@ def test_tuple_fingerprints_no_coarser_than_triton():
         assert native_specialize_impl(CUDABackend, a, False, False, True) == triton_specialisation(a), a
     assert _fingerprint((0, 1, 16)) != _fingerprint(16)
     assert _fingerprint((0, np.int64(3))) is launch._UNKNOWN
+
+
+EDGES = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), 2**63 - 16, 2**63]
+
+
+@given(a=st.one_of(st.sampled_from(EDGES), st.integers(-(2**63), 2**64 - 1)), b=st.sampled_from(EDGES))
+def test_integer_classes_are_tritons(a, b):
+    """Two integers of one class are specialised alike by Triton, and two it specialises alike share a class."""
+    assert (_int_class(a) == _int_class(b)) == (triton_specialisation(a) == triton_specialisation(b)), (a, b)
+    assert (_class_of((a, 3)) == _class_of((b, 3))) == (triton_specialisation((a, 3)) == triton_specialisation((b, 3)))
 
 
 def test_unspecialised_integers_keyed_by_width_as_triton_tells_them_apart():
@@ -163,7 +175,6 @@ def test_repeat_launch_takes_the_compiled_kernel(on_device):
 @pytest.mark.parametrize(
     "changed",
     [
-        {"n": 33},  # Triton would reuse the kernel; Launcher keys integers by value
         {"n": 32},  # a multiple of 16 now
         {"n": 1},  # Triton compiles 1 as a constant
         {"n": 2**31 + 1},  # 64-bit now
@@ -185,6 +196,42 @@ def test_a_launch_triton_would_compile_apart_takes_its_path(on_device, changed):
     run(**call)
     run(**{**call, **changed})
     run(**{**call, **changed})
+    assert paths(kernel) == ["triton", "triton", "fast"]
+
+
+def test_new_integers_of_a_kept_class_take_its_kernel(on_device):
+    """A decode step's key length grows by one each step: a value never launched whose Triton class (type, equal to
+    1, a multiple of 16) a kept kernel was compiled for takes that kernel, and is kept under its value too."""
+    kernel = _Kernel()
+    launcher = Launcher(kernel)
+    x = torch.zeros(32, dtype=torch.float16)
+    for n in (17, 18, 18, 32, 48, 1, 2**31 + 3, 2**31 + 5, (0, 17), (0, 19), (1, 19)):
+        launcher[(1,)](x, n, True, BLOCK=32)
+    assert paths(kernel) == [
+        "triton",
+        "fast",
+        "fast",
+        "triton",
+        "fast",
+        "triton",
+        "triton",
+        "fast",
+        "triton",
+        "fast",
+        "triton",
+    ]
+    assert kernel.log[1][2][1] == 18  # the new value itself
+    assert len(launcher._compiled) == 10 and len(launcher._by_class) == 6  # every value; every class
+
+
+def test_integers_given_to_constexpr_parameters_stay_keyed_by_value(on_device):
+    """A positional argument of a constexpr parameter is compiled in: a new value is a new kernel."""
+    kernel = _Kernel()
+    kernel.params = [type("Param", (), {"is_constexpr": name == "n"})() for name in ("X", "n", "flag")]
+    launcher = Launcher(kernel)
+    x = torch.zeros(32, dtype=torch.float16)
+    for n in (17, 18, 18):
+        launcher[(1,)](x, n, True)
     assert paths(kernel) == ["triton", "triton", "fast"]
 
 
@@ -214,9 +261,14 @@ def test_launch_kinds_beyond_capacity_evict_the_least_recent(on_device, monkeypa
     kernel = _Kernel()
     launcher = Launcher(kernel)
     x = torch.zeros(4)
-    for n in (3, 5, 3, 7, 3, 5):  # 5 is evicted by 7 (3 was used since)
+    for n in (17, 32, 17, 2**31 + 1, 17):  # three classes: 32 is evicted by 2³¹ + 1 (17 was used since)
         launcher[(1,)](x, n, True)
-    assert paths(kernel) == ["triton", "triton", "fast", "triton", "fast", "triton"]
+    assert paths(kernel) == ["triton", "triton", "fast", "triton", "fast"]
+    assert set(launcher._compiled) == {(0, ((x.dtype, True), n, bool)) for n in (17, 2**31 + 1)}
+    # the class table keeps its own recency: 2³¹ + 1's class pushed out 17's (first in), not 32's
+    launcher[(1,)](x, 48, True)
+    launcher[(1,)](x, 31, True)
+    assert paths(kernel)[5:] == ["fast", "triton"]
 
 
 def test_unknown_arguments_and_the_interpreter_always_take_tritons_path(on_device):

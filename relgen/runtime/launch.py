@@ -13,7 +13,10 @@ arguments. A fingerprint never merges two launches Triton would tell apart (it t
 that costs one more miss, not a wrong kernel), and any argument of a kind it does not know sends the launch
 through Triton's path.
 On a hit the launch goes through the compiled kernel's own launcher (`CompiledKernel[grid](*all_args)`), with
-the same stream, launch hooks and scratch allocation as Triton's path. Under the interpreter every launch takes
+the same stream, launch hooks and scratch allocation as Triton's path. A launch whose integers are new (a decode
+step's key length, a batch's longest sequence) is looked up once more by Triton's own classes of them (type, equal
+to 1, a multiple of 16): the kernel Triton would pick for it is then one already kept, and it is kept under the
+new values too. Under the interpreter every launch takes
 Triton's path (there is no compiled kernel to keep), one launch at a time: the interpreter keeps its grid position
 and its patches of triton.language in process-wide state, so launches from several threads would corrupt each
 other.
@@ -48,6 +51,23 @@ def _width(value: int) -> str:
     return "i64" if -(2**63) <= value < 2**63 else "u64"
 
 
+def _int_class(value: int) -> tuple[str, bool, bool]:
+    """What Triton specialises an integer on (triton's native_specialize_impl): its type, whether it is 1 (compiled
+    as a constant) and whether it is a multiple of 16."""
+    return (_width(value), value == 1, value % 16 == 0)
+
+
+def _class_of(arg: Any) -> Any:
+    """_fingerprint with integers, in tuples too, by Triton's class of them instead of their value."""
+    kind = type(arg)
+    if kind is int:
+        return _int_class(arg)
+    if kind is tuple:
+        parts = tuple(_class_of(a) for a in arg)
+        return _UNKNOWN if any(part is _UNKNOWN for part in parts) else (tuple, parts)
+    return _fingerprint(arg)
+
+
 def _fingerprint(arg: Any) -> Any:
     """What Triton specialises a non-integer kernel argument on (or finer), or _UNKNOWN. Integers are keyed by
     their value (see Launcher.launch), in a tuple too (a tensor's (batch, head, token) strides): Triton specialises
@@ -71,6 +91,7 @@ class Launcher:
     def __init__(self, kernel: Any):
         self.kernel = kernel
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._by_class: OrderedDict[tuple, Any] = OrderedDict()  # the same kernels, by class_key
         self._lock = threading.Lock()  # calls from several threads share the kept kernels
         self._interpreted = type(kernel).__name__ == "InterpretedFunction"
         self._tail: tuple[int, list[str], list[Any]] = (-1, [], [])
@@ -78,6 +99,8 @@ class Launcher:
         unspecialised = getattr(kernel, "do_not_specialize", ())
         #: positions of the parameters Triton does not specialise on (names or positions in do_not_specialize)
         self._by_width = tuple(i for i, name in enumerate(names) if name in unspecialised or i in unspecialised)
+        #: positions of constexpr parameters: a value given there is compiled in, so class_key keeps it
+        self._by_value = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if p.is_constexpr)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -99,6 +122,20 @@ class Launcher:
         fingerprint = tuple(fingerprint)
         return (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
 
+    def class_key(self, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+        """The launch's key by Triton's classes of its integers (_int_class; unspecialised ones by width, constexpr
+        ones by value): launches with equal class keys are compiled alike by Triton."""
+        fingerprint = []
+        for i, a in enumerate(args):
+            if type(a) is int and i in self._by_value:
+                fingerprint.append(a)
+            elif type(a) is int and i in self._by_width:
+                fingerprint.append(_width(a))
+            else:
+                fingerprint.append(_class_of(a))
+        fingerprint = tuple(fingerprint)
+        return (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
+
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         key = self.key(args, kwargs)
         compiled = None
@@ -107,6 +144,14 @@ class Launcher:
                 compiled = self._compiled.get(key)
                 if compiled is not None:
                     self._compiled.move_to_end(key)
+        if compiled is None and key is not None and not self._interpreted:
+            by_class = self.class_key(args, kwargs)
+            with self._lock:
+                compiled = self._by_class.get(by_class)
+                if compiled is not None:
+                    self._by_class.move_to_end(by_class)
+            if compiled is not None:
+                self._keep(self._compiled, key, compiled)
         if compiled is None:
             if self._interpreted:
                 with _INTERPRETER_LOCK:
@@ -114,15 +159,17 @@ class Launcher:
                 return  # (the interpreter returns nothing to keep)
             compiled = self.kernel[grid](*args, **kwargs)
             if compiled is not None and key is not None:
-                self._keep((_device(), *key[1:]), compiled)  # the first launch may have initialised CUDA
+                # the first launch may have initialised CUDA: both keys again, with the device
+                self._keep(self._compiled, (_device(), *key[1:]), compiled)
+                self._keep(self._by_class, self.class_key(args, kwargs), compiled)
             return
         compiled[_grid3(grid)](*args, *self._constexprs(len(args), kwargs))
 
-    def _keep(self, key: tuple, compiled: Any) -> None:
+    def _keep(self, kept: OrderedDict, key: tuple, compiled: Any) -> None:
         with self._lock:
-            self._compiled[key] = compiled
-            if len(self._compiled) > CAPACITY:
-                self._compiled.popitem(last=False)
+            kept[key] = compiled
+            if len(kept) > CAPACITY:
+                kept.popitem(last=False)
 
     def _constexprs(self, given: int, kwargs: dict[str, Any]) -> map:
         """The kernel's parameters after the positional ones, in signature order (the compiled kernel's launcher
