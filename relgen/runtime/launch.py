@@ -16,10 +16,11 @@ On a hit the launch goes through the compiled kernel's own launcher (`CompiledKe
 the same stream, launch hooks and scratch allocation as Triton's path. A launch whose integers are new (a decode
 step's key length, a batch's longest sequence) is looked up once more by Triton's own classes of them (type, equal
 to 1, a multiple of 16): the kernel Triton would pick for it is then one already kept, and it is kept under the
-new values too. Under the interpreter every launch takes
-Triton's path (there is no compiled kernel to keep), one launch at a time: the interpreter keeps its grid position
-and its patches of triton.language in process-wide state, so launches from several threads would corrupt each
-other.
+new values too.
+
+Under the interpreter every launch takes Triton's path (there is no compiled kernel to keep), one launch at a
+time: the interpreter keeps its grid position and its patches of triton.language in process-wide state, so
+launches from several threads would corrupt each other.
 """
 
 from __future__ import annotations
