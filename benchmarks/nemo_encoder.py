@@ -20,7 +20,8 @@ on batches of 30 s segments (lengths 80–100 % of 30 s: padded) and on whole re
 max|a − e| / max|e|): the error of the half-precision options against the fp32 path, and of NeMo's own attention.
 Training: one step (forward, backward of a mean square; no optimizer) in train mode (dropout on) at 30 s, 2, 5, 9
 and 15 minutes. Every case that runs out of memory is recorded as "OOM"; the JSON is rewritten after every case
-and ``--resume`` skips the cases it holds.
+and ``--resume`` skips the cases it holds. ``--profile`` runs each training case once more under torch.profiler:
+its GPU kernels' time and launches, the host's own time, and the kernels that took longest (into the JSON).
 
 NeMo need not be installed: ``--nemo-site DIR`` appends a folder to sys.path, made by
 
@@ -356,7 +357,30 @@ def inference_case(model, system, x, lengths, dtype, device, reps, reference) ->
     return guarded(measure, device)
 
 
-def training_case(model, system, x, lengths, dtype, device, reps) -> dict[str, Any]:
+def profiled(run: Callable[[], Any], device: torch.device, top: int = 12) -> dict[str, Any]:
+    """One run under torch.profiler: the GPU time of its kernels and their launches, the host's own time over all
+    operators, and the `top` kernels by GPU time ([name, ms, calls])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        synchronize(device)
+    events = prof.key_averages()
+    kernels = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.self_device_time_total,
+        reverse=True,
+    )
+    return {
+        "kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "launches": sum(e.count for e in kernels),
+        "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
+        "top": [[e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count] for e in kernels[:top]],
+    }
+
+
+def training_case(model, system, x, lengths, dtype, device, reps, profile: bool = False) -> dict[str, Any]:
     def measure() -> dict[str, Any]:
         set_system(model, system)
         model.train()
@@ -368,8 +392,11 @@ def training_case(model, system, x, lengths, dtype, device, reps) -> dict[str, A
             out.float().square().mean().backward()
 
         times, peak, _ = timed(step, device, reps)
+        record = {"status": "ok", "times_s": times, "peak_gib": peak}
+        if profile:
+            record["profile"] = profiled(step, device)
         model.zero_grad(set_to_none=True)
-        return {"status": "ok", "times_s": times, "peak_gib": peak}
+        return record
 
     return guarded(measure, device)
 
@@ -421,7 +448,7 @@ def run(args) -> None:
             if case["mode"] == "inference":
                 record.update(inference_case(model, system, x, lengths, dtype, device, reps, reference))
             else:
-                record.update(training_case(model, system, x, lengths, dtype, device, reps))
+                record.update(training_case(model, system, x, lengths, dtype, device, reps, args.profile))
             if record.get("status") == "ok":
                 median = statistics.median(record["times_s"])
                 record["median_s"] = median
@@ -462,6 +489,12 @@ def summary(record: dict[str, Any]) -> str:
         text += f"  peak {record['peak_gib']:.2f} GiB"
     if "error_vs_relgen_fp32" in record:
         text += "  rel ℓ2 vs relgen fp32 {rel_l2:.2e}".format(**record["error_vs_relgen_fp32"])
+    if "profile" in record:
+        prof = record["profile"]
+        text += f"  (profiled: kernels {prof['kernels_ms']:.1f} ms in {prof['launches']} launches, host "
+        text += (
+            f"{prof['host_ms']:.1f} ms; " + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms, _ in prof["top"][:6]) + ")"
+        )
     return text
 
 
@@ -587,6 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/h200 (--smoke: a temp dir)")
     parser.add_argument("--resume", action="store_true", help="keep the cases --out's JSON holds")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU: proves the script runs")
+    parser.add_argument("--profile", action="store_true", help="each training case once more under torch.profiler")
     args = parser.parse_args(argv)
     if args.smoke:
         # ≤ 48 tokens after 8× subsampling, one layer pair; fp16 instead of bf16 (the interpreter's bf16 dot)
