@@ -115,16 +115,64 @@ def test_unkept_calls_are_checked_every_time(checks):
     plan.calls.clear()
     inputs = make_inputs(spec("t5"), b=2, h=2, nq=24, d=16)
     q_strided = inputs.q.transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) != 1: copied by the checks
-    unkept = [
-        dict(dropout_p=0.1),
-        dict(dropout_p=0.0, dropout_seed=3),
-    ]
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (inputs.q, inputs.k, inputs.v)]
     for _ in range(2):
-        for options in unkept:
-            call(plan, inputs, **options)
         prepare_call(plan, q_strided, inputs.k, inputs.v, None, None, inputs.tables["bias"])
-    assert len(checks) == 2 * (len(unkept) + 1)
+        prepare_call(plan, *packed, None, None, inputs.tables["bias"], cu_seqlens=cu, max_seqlen=14)
+    assert len(checks) == 4
     assert not plan.calls
+
+
+def test_dropout_calls_are_kept_with_each_calls_own_seed(checks):
+    """A training step's calls (dropout on) reuse the Geometry; only its seed is each call's: drawn anew for
+    dropout_seed=None, the caller's int or tensor otherwise. The rest equals what check_call derives."""
+    plan = plan_of("t5")
+    plan.calls.clear()
+    inputs = make_inputs(spec("t5"), b=2, h=2, nq=24, d=16)
+    bias = inputs.tables["bias"]
+    drawn = [call(plan, inputs, dropout_p=0.1).geo for _ in range(3)]
+    assert len(checks) == 1
+    assert len({geo.seed for geo in drawn}) == 3  # three draws from [0, 2^31 − 1) (equal ones: p < 2^-29)
+    want = check_call(plan, inputs.q, inputs.k, inputs.v, None, None, bias, dropout_p=0.1).geo
+    assert all(geo == replace(want, seed=geo.seed) for geo in drawn)
+
+    assert call(plan, inputs, dropout_p=0.1, dropout_seed=5).geo.seed == 5
+    assert call(plan, inputs, dropout_p=0.1, dropout_seed=9).geo.seed == 9
+    tensor_seed = torch.tensor([4], dtype=torch.int64)
+    other_seed = torch.tensor([6], dtype=torch.int64)
+    assert call(plan, inputs, dropout_p=0.1, dropout_seed=tensor_seed).geo.seed is not None
+    assert torch.equal(call(plan, inputs, dropout_p=0.1, dropout_seed=other_seed).geo.seed, other_seed)
+    assert len(checks) == 3  # one per kind of seed: None, an int, a tensor
+    call(plan, inputs, dropout_p=0.2)  # another rate: a signature of its own
+    assert len(checks) == 4
+    bad_seeds = [
+        (-1, "dropout_seed"),
+        (2**63, "dropout_seed"),
+        (torch.tensor([4.0]), "dropout_seed: a tensor seed must be one int64 or int32 element"),
+        (torch.tensor([4, 5]), "dropout_seed: a tensor seed must be one int64 or int32 element"),
+    ]
+    for bad, error in bad_seeds:
+        with pytest.raises(ValueError, match=error):
+            call(plan, inputs, dropout_p=0.1, dropout_seed=bad)
+
+
+def test_kept_dropout_calls_draw_their_own_masks(checks):
+    """Through the kept Geometry the kernels read each call's seed: calls with the same seed give the same bits,
+    two drawn seeds (or two given ones) other masks."""
+    fn = relgen.compile_mechanism(spec("t5"))
+    fn.module.PLAN.calls.clear()
+    inputs = make_inputs(spec("t5"), b=1, h=2, nq=32, d=16)
+
+    def out(seed):
+        return fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=0.5, dropout_seed=seed)
+
+    first, same, other = out(11), out(11), out(12)
+    drawn, drawn_again = out(None), out(None)
+    assert len(checks) == 2  # one per kind of seed
+    assert torch.equal(first, same)
+    assert not torch.equal(first, other)
+    assert not torch.equal(drawn, drawn_again)
 
 
 def test_a_padding_mask_is_kept_by_its_shape_and_read_anew(checks):

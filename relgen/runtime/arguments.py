@@ -160,7 +160,8 @@ def _check_seed_tensor(seed: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
     """check_call, except that a call whose signature (_signature) passed before reuses that call's Geometry
     without checking again: at short lengths a call is host-bound on the GPU, and a training loop or a benchmark
-    repeats a few signatures."""
+    repeats a few signatures. The dropout seed is the one part of the Geometry that changes from call to call
+    (drawn anew, or the caller's): it is checked (or drawn) for every call and replaces the kept one."""
     signature = _signature(q, k, v, aq, ak, bias, options)
     if signature is not None:
         with _calls_lock:
@@ -171,6 +172,9 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
             if geo is not None:
                 plan.calls.move_to_end(signature)
         if geo is not None:
+            seed = _check_seed(options.get("dropout_seed"), geo.dropout_p, q)
+            if isinstance(seed, torch.Tensor) or seed != geo.seed:
+                geo = geo.with_seed(seed)
             kpm = options.get("key_padding_mask")
             return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), aq, ak, bias, _kpm_rows(kpm), geo)
     call = check_call(plan, q, k, v, aq, ak, bias, **options)
@@ -185,21 +189,19 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
 #: call signatures whose Geometry each plan keeps (least recently used out)
 KEPT_CALLS = 32
 _calls_lock = threading.Lock()  # calls from several threads share a plan
-#: options whose presence makes a call unkept: per-call tensors (packing) and per-call seeds
-_UNKEPT_OPTIONS = (*PACKING_OPTIONS, "dropout_seed")
 
 
 def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
-    """What check_call's outcome is a function of, for a call whose tensors it would pass through unchanged (q, k,
-    v with unit last stride, contiguous tables) and without packing or dropout; None for any other call, which is
-    checked in full. A key padding mask is keyed by what check_call checks of it (its shape, dtype, layout and
-    device: its values are the kernels'), other options by name, type and value (True never stands in for 1: the
-    checks reject bools). q, k and v are keyed by their strides too (their reach decides the kernels' INT64). A
-    configuration override (tests, tuning) bypasses it."""
-    if overridden() or any(options.get(name) is not None for name in _UNKEPT_OPTIONS):
+    """What check_call's outcome is a function of, but for the dropout seed, for a call whose tensors it would pass
+    through unchanged (q, k, v with unit last stride, contiguous tables) and without packing; None for any other
+    call, which is checked in full. A key padding mask is keyed by what check_call checks of it (its shape, dtype,
+    layout and device: its values are the kernels'), the seed by its kind (None, an int, or a tensor's dtype, shape
+    and device: prepare_call checks each call's own), other options by name, type and value (True never stands in
+    for 1: the checks reject bools). q, k and v are keyed by their strides too (their reach decides the kernels'
+    INT64). A configuration override (tests, tuning) bypasses it."""
+    if overridden() or any(options.get(name) is not None for name in PACKING_OPTIONS):
         return None
-    dropout_p = options.get("dropout_p", 0.0)
-    if type(dropout_p) not in (int, float) or dropout_p != 0:
+    if type(options.get("dropout_p", 0.0)) not in (int, float):
         return None
     tensors = []
     for t in (q, k, v):
@@ -221,13 +223,20 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
         if not isinstance(kpm, torch.Tensor):
             return None
         kpm = (kpm.shape, kpm.dtype, kpm.layout, kpm.device)
+    seed = options.get("dropout_seed")
+    seed = (seed.dtype, seed.shape, seed.device) if isinstance(seed, torch.Tensor) else type(seed)
     return (
         *tensors,
         kpm,
-        *((name, type(value), value) for name, value in options.items() if name != "key_padding_mask"),
+        seed,
+        *((name, type(value), value) for name, value in options.items() if name not in _PER_CALL),
         interpreting(),
         projection_storage(),
     )
+
+
+#: options _signature keys apart from the others: a key padding mask by its checked properties, the seed by kind
+_PER_CALL = ("key_padding_mask", "dropout_seed")
 
 
 def _kpm_rows(kpm: torch.Tensor | None) -> torch.Tensor | None:

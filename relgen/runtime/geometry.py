@@ -3,6 +3,7 @@ saturation bounds, windows, expanded tables and the backward pass's gradient buf
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import threading
@@ -231,6 +232,14 @@ class Geometry:
             wk=c if full else min(c, kw["nq"] + g - 1),
             **kw,
         )
+
+    def with_seed(self, seed: int | torch.Tensor) -> Geometry:
+        """This call's geometry with another dropout seed: the one field that changes between the calls of a kept
+        signature (relgen.runtime.arguments.prepare_call). A copy keeps the derived values already cached on it,
+        none of which depends on the seed, and costs a fraction of dataclasses.replace's re-initialisation."""
+        kept = copy.copy(self)
+        object.__setattr__(kept, "seed", seed)  # frozen: the dataclass's own escape hatch, on a fresh copy
+        return kept
 
     # derived scalars --------------------------------------------------------------------------------------
     @property
