@@ -9,7 +9,9 @@ the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch o
 (a GPU would queue them): at long lengths a figure that grows with N beyond allocation is that work.
 
     python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
-                                   [--calls 400] [--forward-only] [--ring] [--profile]
+                                   [--calls 400] [--forward-only] [--ring] [--dropout 0.1] [--profile]
+
+--dropout P: the calls of a training step (attention dropout at rate P, a seed drawn per call).
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ def load(name: str, window: tuple[int, int] | None) -> relgen.MechanismSpec:
 
 
 def calls_of(
-    spec: relgen.MechanismSpec, n: int, heads: int, ring: bool = False
+    spec: relgen.MechanismSpec, n: int, heads: int, ring: bool = False, dropout_p: float = 0.0
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(forward, forward + backward) of one call at B = 1, `heads` heads, N = n, d = 64, fp16, on the CPU; `ring`:
-    through relgen.distributed's ring of one (no process group), contiguous."""
+    through relgen.distributed's ring of one (no process group), contiguous; with attention dropout at
+    `dropout_p`."""
     fn = relgen.compile_mechanism(spec)
     if ring:
         import relgen.distributed as rd
@@ -83,7 +86,7 @@ def calls_of(
     leaves = list(inputs.leaves.values())
 
     def forward():
-        return fn(inputs.q, inputs.k, inputs.v, **inputs.tables)
+        return fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=dropout_p)
 
     do = torch.ones_like(forward())  # made once: a CPU fill of dO would be timed as host work
 
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--ring", action="store_true", help="each call through relgen.distributed's ring of one")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout rate of the calls")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
@@ -121,8 +125,8 @@ def main() -> None:
         for n in (int(x) for x in args.seq_lens.split(",")):
             for name in args.specs.split(","):
                 spec = load(name, window)
-                forward, both = calls_of(spec, n, args.heads, args.ring)
-                label = spec.name + (" ring" if args.ring else "")
+                forward, both = calls_of(spec, n, args.heads, args.ring, args.dropout)
+                label = spec.name + (" ring" if args.ring else "") + (f" p={args.dropout:g}" if args.dropout else "")
                 line = f"{label:16s} N={n:<6d} H={args.heads:<3d} forward {best_us(forward, args.calls):8.1f} µs"
                 if not args.forward_only:
                     line += f"   forward + backward {best_us(both, args.calls):8.1f} µs"

@@ -21,7 +21,8 @@ max|a − e| / max|e|): the error of the half-precision options against the fp32
 Training: one step (forward, backward of a mean square; no optimizer) in train mode (dropout on) at 30 s, 2, 5, 9
 and 15 minutes. Every case that runs out of memory is recorded as "OOM"; the JSON is rewritten after every case
 and ``--resume`` skips the cases it holds. ``--profile`` runs each training case once more under torch.profiler:
-its GPU kernels' time and launches, the host's own time, and the kernels that took longest (into the JSON).
+its GPU kernels' time and launches, the host's own time, the kernels and the host's operators that took longest,
+and each place where the step made the host wait for the GPU (torch.cuda's sync debug mode; into the JSON).
 
 NeMo need not be installed: ``--nemo-site DIR`` appends a folder to sys.path, made by
 
@@ -372,12 +373,47 @@ def profiled(run: Callable[[], Any], device: torch.device, top: int = 12) -> dic
         key=lambda e: e.self_device_time_total,
         reverse=True,
     )
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
         "kernels_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
         "launches": sum(e.count for e in kernels),
         "host_ms": sum(e.self_cpu_time_total for e in events) / 1e3,
         "top": [[e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count] for e in kernels[:top]],
+        "host_top": [[e.key[:90], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host[:top]],
+        "host_waits": host_waits(run, device),
     }
+
+
+def host_waits(run: Callable[[], Any], device: torch.device) -> list[list]:
+    """Where one run made the host wait for the GPU, by torch.cuda's sync debug mode: [the innermost two frames
+    outside torch, count], most frequent first. Each wait empties the GPU's queue, so the host's next launches
+    run while the GPU idles."""
+    if device.type != "cuda":
+        return []
+    import traceback
+    import warnings
+    from collections import Counter
+
+    skipped = (str(Path(torch.__file__).parent), warnings.__file__)
+    places: Counter[str] = Counter()
+
+    def record(message: Any, *_args: Any, **_kwargs: Any) -> None:
+        if "synchroniz" not in str(message):  # another warning (a deprecation in NeMo's code, say)
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(skipped)]
+        places[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-2:]))] += 1
+
+    synchronize(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(device)  # the run's end, not one of its waits
+    return [[place, count] for place, count in places.most_common()]
 
 
 def training_case(model, system, x, lengths, dtype, device, reps, profile: bool = False) -> dict[str, Any]:
@@ -495,6 +531,10 @@ def summary(record: dict[str, Any]) -> str:
         text += (
             f"{prof['host_ms']:.1f} ms; " + ", ".join(f"{name[:40]} {ms:.2f}" for name, ms, _ in prof["top"][:6]) + ")"
         )
+        text += "\n    host: " + ", ".join(f"{name[:40]} {ms:.2f} ({n})" for name, ms, n in prof["host_top"][:8])
+        waits = prof["host_waits"]
+        text += f"\n    host waits for the GPU: {sum(n for _, n in waits)}"
+        text += "".join(f"\n      {n:4d}  {place}" for place, n in waits[:8])
     return text
 
 
