@@ -141,7 +141,7 @@ def test_dropout_calls_are_kept_with_each_calls_own_seed(checks):
     assert call(plan, inputs, dropout_p=0.1, dropout_seed=9).geo.seed == 9
     tensor_seed = torch.tensor([4], dtype=torch.int64)
     other_seed = torch.tensor([6], dtype=torch.int64)
-    assert call(plan, inputs, dropout_p=0.1, dropout_seed=tensor_seed).geo.seed is not None
+    assert torch.equal(call(plan, inputs, dropout_p=0.1, dropout_seed=tensor_seed).geo.seed, tensor_seed)
     assert torch.equal(call(plan, inputs, dropout_p=0.1, dropout_seed=other_seed).geo.seed, other_seed)
     assert len(checks) == 3  # one per kind of seed: None, an int, a tensor
     call(plan, inputs, dropout_p=0.2)  # another rate: a signature of its own
