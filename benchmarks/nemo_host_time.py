@@ -30,16 +30,32 @@ from host_time import stubbed_launches
 
 import relgen.integrations
 
-#: the aten ops through which a tensor's value reaches the host
-_HOST_READS = ("aten._local_scalar_dense", "aten.tolist")
+#: the aten op through which a tensor's value reaches the host (`.item()`, `bool()`, `int()`)
+_HOST_READS = ("aten._local_scalar_dense",)
 
 
 class _HostReads(TorchDispatchMode):
-    """Counts the ops that read a tensor's value on the host."""
+    """Counts the reads of a tensor's value on the host: the ops above, and `Tensor.tolist` (a CPU tensor's
+    dispatches no op; a GPU tensor's copies it to the host first), one read per call."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        tolist = self._tolist
+
+        def counted(tensor: torch.Tensor):
+            self.count += 1
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).split(".default")[0] in _HOST_READS:

@@ -322,9 +322,10 @@ def _windowed_padding(
             inside = inside & (columns[None, :] <= position[i : i + rows, None] + window[1])
         outer = query_valid[:, i : i + rows, None] & key_valid[:, None, :] & inside
         mismatch |= (mask[:, i : i + rows] == outer).any()  # the mask must be outer's complement, as in _padding
-    if bool(mismatch):
+    mismatched, all_queries, all_keys = _read(mismatch, query_valid.all(), key_valid.all())
+    if mismatched:
         return None, None, None, _NOT_WINDOW
-    return *_real(query_valid, key_valid, batch), window, None
+    return *_real(query_valid, key_valid, batch, all_queries, all_keys), window, None
 
 
 def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
@@ -351,18 +352,25 @@ def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | No
         outer = query_valid[:, i : i + rows, None] & key_valid[:, None, :]
         # the mask must be the complement of `outer`: agreeing anywhere is a real pair masked or a padded one not
         mismatch |= (mask[:, i : i + rows] == outer).any()
-    if bool(mismatch):
+    mismatched, all_queries, all_keys = _read(mismatch, query_valid.all(), key_valid.all())
+    if mismatched:
         return None, None, _NOT_PADDING
-    return *_real(query_valid, key_valid, batch), None
+    return *_real(query_valid, key_valid, batch, all_queries, all_keys), None
+
+
+def _read(*flags: torch.Tensor) -> list[bool]:
+    """Device booleans on the host in one read: each read makes the host wait for the GPU, which then idles while
+    the host issues the next launches."""
+    return [bool(flag) for flag in torch.stack(flags).tolist()]
 
 
 def _real(
-    query_valid: torch.Tensor, key_valid: torch.Tensor, batch: int
+    query_valid: torch.Tensor, key_valid: torch.Tensor, batch: int, all_queries: bool, all_keys: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The real queries [B, T1] and keys [B, T2] of a mask's (maybe batch-shared) rows and columns; None: all."""
+    """The real queries [B, T1] and keys [B, T2] of a mask's (maybe batch-shared) rows and columns, given whether
+    all of them are real (None then)."""
     query_valid, key_valid = query_valid.expand(batch, -1), key_valid.expand(batch, -1)
-    key_valid = None if bool(key_valid.all()) else key_valid.contiguous()
-    return (None if bool(query_valid.all()) else query_valid), key_valid
+    return (None if all_queries else query_valid), (None if all_keys else key_valid.contiguous())
 
 
 def _patched(states: list[_State]) -> None:
