@@ -361,7 +361,7 @@ def _padding(mask: Any, batch: int, t1: int, t2: int) -> tuple[torch.Tensor | No
 def _read(*flags: torch.Tensor) -> list[bool]:
     """Device booleans on the host in one read: each read makes the host wait for the GPU, which then idles while
     the host issues the next launches."""
-    return [bool(flag) for flag in torch.stack(flags).tolist()]
+    return torch.stack(flags).tolist()  # a bool tensor's list holds Python bools
 
 
 def _real(
