@@ -24,10 +24,8 @@ from relgen.runtime.scales import (
     block_rows,
     max_row_norm,
     partial_max,
-    pow2,
     pow2_scales,
     projection_bounds,
-    row_exponents,
     row_norms,
     token_rows,
 )
@@ -168,8 +166,6 @@ FOLD_QUERY_BIAS = tl.constexpr(False)
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
-# entries per token row of an end buffer: the row's end columns C − 1 and 0, its storage exponent (fp16 Z̃), unused
-ENDS_ROW = tl.constexpr(_rt.END_ENTRIES)
 # integer arguments the attention kernels leave to run time (Triton specialises an integer on being 1 or a multiple
 # of 16): window sizes and strides, which vary with N inside a bucket, the dropout seed, which varies per step
 # (specialised, a training run's seeds would compile each kernel up to three times), and QPOS, the absolute position
@@ -207,7 +203,7 @@ class Geometry(NamedTuple):
 class QueryTile(NamedTuple):
     """A score tile's queries: q [BM, BLOCK_D] at positions offs_m, their rows of Z̃^Q (zq_bh: the sequence's first,
     or Ã^Q's head without projections), the first column s0 of their group's window, their end-column entries
-    and their rows' storage scales 2^s_i (_ends)."""
+    (_ends) and Z̃^Q's storage scale 2^s (_z_scales)."""
 
     q: tl.tensor
     offs_m: tl.tensor
@@ -220,7 +216,7 @@ class QueryTile(NamedTuple):
 
 class KeyTile(NamedTuple):
     """A score tile's keys: k [BN, BLOCK_D] at positions offs_n (listed down from j_hi: _key_tile), their rows of
-    Z̃^K, the first column t0 of their group's window, their end-column entries and their rows' storage scales."""
+    Z̃^K, the first column t0 of their group's window, their end-column entries and Z̃^K's storage scale."""
 
     k: tl.tensor
     offs_n: tl.tensor
@@ -267,8 +263,8 @@ class KeyBoxes(NamedTuple):
 
 class KeySource(NamedTuple):
     """Where a query-parallel program reads its key tiles: K and V from its sequence's first key on, with their
-    token strides, the rows of Z̃^K and of its end buffer from that key on, and the base of the key groups' windows
-    (_window_base)."""
+    token strides, the rows of Z̃^K and of its end buffer from that key on, the base of the key groups' windows
+    (_window_base) and Z̃^K's storage scale."""
 
     K: tl.tensor
     V: tl.tensor
@@ -277,12 +273,13 @@ class KeySource(NamedTuple):
     ZK: tl.tensor
     ZKE: tl.tensor
     win_base: tl.tensor
+    zk_up: tl.tensor
 
 
 class QuerySource(NamedTuple):
     """Where the key pass reads its query tiles: Q, dO, the LSE and D = rowsum(dO ∘ O) from its sequence's first
-    query on, the token strides of Q and dO, the rows of Z̃^Q and of its end buffer, and the base of the query
-    groups' windows."""
+    query on, the token strides of Q and dO, the rows of Z̃^Q and of its end buffer, the base of the query groups'
+    windows and Z̃^Q's storage scale."""
 
     Q: tl.tensor
     DO: tl.tensor
@@ -293,6 +290,7 @@ class QuerySource(NamedTuple):
     ZQ: tl.tensor
     ZQE: tl.tensor
     win_base: tl.tensor
+    zq_up: tl.tensor
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -500,30 +498,25 @@ def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.const
 
 
 @triton.jit
-def _ends(E, offs, ok):
-    """(hi, lo, up) of tokens `offs`: their entries at the two saturated columns, C − 1 and 0, from the compact end
-    buffer [token, ENDS_ROW] (0 where a token's window does not reach that column), one contiguous load per tile
-    instead of one row each, and their rows' storage scales 2^s_t (1 for an fp32 buffer; see _row_exponents)."""
-    if E.dtype.element_ty == tl.float16:
-        up = pow2(tl.load(E + offs * ENDS_ROW + 2, mask=ok, other=0.0).to(tl.int32))
-    else:
-        up = tl.full(offs.shape, 1.0, tl.float32)
-    hi = tl.load(E + offs * ENDS_ROW, mask=ok, other=0.0).to(tl.float32) * up
-    lo = tl.load(E + offs * ENDS_ROW + 1, mask=ok, other=0.0).to(tl.float32) * up
-    return hi, lo, up
+def _ends(E, offs, ok, up):
+    """Per-token entries at the two saturated columns, C − 1 and 0, from the compact end buffer [token, 2]
+    (0 where a token's window does not reach that column): one contiguous load per tile instead of one row each.
+    `up`: the buffer's storage scale 2^s (see _z_scales)."""
+    hi = tl.load(E + offs * 2, mask=ok, other=0.0).to(tl.float32) * up
+    lo = tl.load(E + offs * 2 + 1, mask=ok, other=0.0).to(tl.float32) * up
+    return hi, lo
 
 
 @triton.jit
-def _row_exponents(x, BOUNDS, E, SIGN: tl.constexpr):
-    """s_t of the rows of Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) whose tokens are the rows of x [BT, BLOCK_D]: an fp16
-    buffer (its end buffer E is fp16) stores row t as Z̃_t·2^-s_t, s_t from the bound ‖x_t‖·max‖a‖ + max|b|, whose
-    table factors' partial maxima relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran (the
-    writer keeps s_t in the row's end entry, where readers find it: _ends); an fp32 buffer holds Z̃ itself (0)."""
+def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
+    """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
+    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors' partial maxima
+    relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
-        side: tl.constexpr = 0 if SIGN == 1 else 2
-        return row_exponents(x, partial_max(BOUNDS, side), partial_max(BOUNDS, side + 1))
+        side: tl.constexpr = 0 if SIGN == 1 else 3
+        return pow2_scales(partial_max(BOUNDS, side) * partial_max(BOUNDS, side + 1) + partial_max(BOUNDS, side + 2))
     else:
-        return tl.zeros([x.shape[0]], tl.int32)
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -554,13 +547,13 @@ def _end_shift(row_end, b_end):
 
 
 @triton.jit
-def _query_ends(E, offs_m, row_ok):
-    return _ends(E, offs_m, row_ok)
+def _query_ends(E, offs_m, row_ok, up):
+    return _ends(E, offs_m, row_ok, up)
 
 
 @triton.jit
-def _key_ends(E, offs_n, col_ok):
-    return _ends(E, offs_n, col_ok)
+def _key_ends(E, offs_n, col_ok, up):
+    return _ends(E, offs_n, col_ok, up)
 
 
 @triton.jit
@@ -623,7 +616,7 @@ def _score_tile(
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
-    Band entries read from Z̃^Q and Z̃^K are multiplied by their rows' storage scales (zq_up, zk_up).
+    Band entries read from Z̃^Q and Z̃^K are multiplied by their storage scales (zq_up, zk_up).
     The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. MASKED: the tile meets the causal diagonal,
     a local window's edge or the keys' end. CLIP: an edge tile reads its entries at the clipped columns
     (_clamped_run), which only the forward does (CLIP_BAND)."""
@@ -649,8 +642,6 @@ def _score_tile(
         above = delta > HIGH  # these pairs read the end columns instead
         below = delta < LOW
         pair_ok = pair_ok & (delta >= LOW) & (delta <= HIGH)
-        zq_up = _along_queries(zq_up, KEY_MAJOR)  # each row's storage scale, spread over the tile
-        zk_up = _along_keys(zk_up, KEY_MAJOR)
         # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0) from key j_hi on
         if CLAMP:
             rows = _along_queries(zq_bh + tl.minimum(offs_m, Nq - 1) * ZSQ, KEY_MAJOR)
@@ -709,7 +700,7 @@ def _project_columns(
     W,
     w_lo,
     w_hi,
-    s,
+    down,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -718,19 +709,15 @@ def _project_columns(
 ):
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
     head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
-    compact end buffer's rows end_rows [BT] (0 if the window leaves them out: written by the run starting at column
-    0, with the rows' storage exponents). Row t's entries are stored times 2^-s_t (fp16: _row_exponents)."""
+    compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0).
+    Entries are stored times `down` = 2^-s (the buffer's storage scale, _z_scales)."""
     offs_d = tl.arange(0, BLOCK_D)
     hi_col = C - 1 - start  # the end columns' places in this group's window
     lo_col = -start
-    SCALED: tl.constexpr = end_rows.dtype.element_ty == tl.float16
     if w_lo == 0:
         zero = tl.zeros(t_ok.shape, tl.float32).to(end_rows.dtype.element_ty)
         tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
         tl.store(end_rows + 1, zero, mask=t_ok & (lo_col < 0))
-        if SCALED:
-            tl.store(end_rows + 2, s.to(end_rows.dtype.element_ty), mask=t_ok)
-    down = pow2(-s)
     for w0 in range(w_lo, w_hi, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
@@ -742,8 +729,7 @@ def _project_columns(
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
-        if SCALED:
-            z = z * down[:, None]
+        z = z * down
         tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
         if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
             tl.store(
@@ -813,7 +799,7 @@ def _project_kernel(
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
     x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    s = _row_exponents(x, BOUNDS, ENDS, SIGN)
+    down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     _project_columns(
@@ -821,14 +807,14 @@ def _project_kernel(
         TABLE + h * st_h,
         BIAS + h * sb_h,
         Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS,
-        ENDS + (row0.to(tl.int64) + offs_t) * ENDS_ROW,
+        ENDS + (row0.to(tl.int64) + offs_t) * 2,
         t_ok,
         start,
         C,
         W,
         pid_w * cols_per_program,
         tl.minimum((pid_w + 1) * cols_per_program, ZS),
-        s,
+        down,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -884,8 +870,8 @@ def _fwd_range(
             k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
-        col_hi, col_lo, zk_up = _key_ends(keys.ZKE, offs_n, offs_n < geo.Nk)
-        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, zk_up)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < geo.Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
         x, c = _score_tile(
             queries,
             key_tile,
@@ -941,6 +927,7 @@ def _attn_fwd_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     COPY_MAP,
@@ -971,7 +958,6 @@ def _attn_fwd_kernel(
     qk_scale,
     AQ,
     AQ_BIAS,
-    BOUNDS,
     saq_h,
     saqb_h,
     HEAD_DIM: tl.constexpr,
@@ -993,7 +979,7 @@ def _attn_fwd_kernel(
     descriptors over K and V [B, H_kv, N, d] (boxes [1, 1, BN, d]) that the saturated tiles load through; otherwise
     they are None and every tile loads through pointers.
     ZQ and ZQE are outputs here: each program writes its rows of Z̃^Q from AQ = Ã^Q (+ AQ_BIAS = b̃ when folded) in
-    column tiles of BLOCK_W, scaled by the bounds whose table factors BOUNDS holds (_row_exponents)."""
+    column tiles of BLOCK_W."""
     # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
     ZSQ, ZSK = _wide(ZSQ_A * ROW_ALIGN, INT64), _wide(ZSK_A * ROW_ALIGN, INT64)
     sq, sk = _wide_strides(sq, INT64), _wide_strides(sk, INT64)
@@ -1019,28 +1005,28 @@ def _attn_fwd_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
-    ZKE_b = ZKE + row_k.to(tl.int64) * ENDS_ROW
-    ZQE_b = ZQE + row_q.to(tl.int64) * ENDS_ROW
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
     V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
+    zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
     # launch, and the band tiles below gather them back from cache instead of HBM
-    zq_s = _row_exponents(q, BOUNDS, ZQE, 1)
     _project_columns(
         q,
         AQ + h * saq_h,
         AQ_BIAS + h * saqb_h,
         zq_bh + offs_m[:, None] * ZSQ,
-        ZQE_b + offs_m * ENDS_ROW,
+        ZQE + (row_q.to(tl.int64) + offs_m) * 2,
         offs_m < Nq,
         s0,
         C,
         WQ,
         0,
         ZSQ,
-        zq_s,
+        zq_down,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -1048,7 +1034,7 @@ def _attn_fwd_kernel(
         PREC,
     )
     tl.debug_barrier()  # other threads of this program read those stores back
-    row_hi, row_lo, zq_up = _query_ends(ZQE_b, offs_m, offs_m < Nq)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -1057,7 +1043,7 @@ def _attn_fwd_kernel(
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     n_in, n_out = _inner_keys(i0, n_hi, n_lo, geo, BLOCK_M, BLOCK_N)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP))
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     boxes = KeyBoxes(K_DESC, V_DESC, b, h // KV_GROUP)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
@@ -1285,8 +1271,8 @@ def _bwd_q_range(
         k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
-        col_hi, col_lo, zk_up = _key_ends(keys.ZKE, offs_n, offs_n < Nk)
-        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, zk_up)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
         p, p_kept = _tile_probabilities(
             queries,
             key_tile,
@@ -1340,6 +1326,7 @@ def _attn_bwd_q_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DQ,
@@ -1421,14 +1408,16 @@ def _attn_bwd_q_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
-    ZKE_b = ZKE + row_k.to(tl.int64) * ENDS_ROW
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
     V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
-    row_hi, row_lo, zq_up = _query_ends(ZQE + row_q.to(tl.int64) * ENDS_ROW, offs_m, row_ok)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -1437,7 +1426,7 @@ def _attn_bwd_q_kernel(
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     n_in, n_out = _inner_keys(i0, n_hi, n_lo, geo, BLOCK_M, BLOCK_N)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP))
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     # fmt: off
@@ -1549,8 +1538,8 @@ def _bwd_kv_range(
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         Di = tl.load(queries.DELTA + offs_m, mask=row_ok, other=0.0)
         s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, queries.win_base, geo.C, geo.WQ)
-        row_hi, row_lo, zq_up = _query_ends(queries.ZQE, offs_m, row_ok)
-        query_tile = QueryTile(q, offs_m, queries.ZQ, s0, row_hi, row_lo, zq_up)
+        row_hi, row_lo = _query_ends(queries.ZQE, offs_m, row_ok, queries.zq_up)
+        query_tile = QueryTile(q, offs_m, queries.ZQ, s0, row_hi, row_lo, queries.zq_up)
         p, p_kept = _tile_probabilities(
             query_tile,
             keys,
@@ -1611,6 +1600,7 @@ def _attn_bwd_kv_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DK,
@@ -1697,6 +1687,8 @@ def _attn_bwd_kv_kernel(
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     kpm_b = KPM + b * skpm_b
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, geo, BLOCK_M, BLOCK_N, REUSE)
     m_in, m_out = _inner_queries(j0, m_lo, m_hi, geo, BLOCK_M, BLOCK_N)
@@ -1711,11 +1703,11 @@ def _attn_bwd_kv_kernel(
         h = bh % H
         _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
         ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
-        ZQE_b = ZQE + row_q.to(tl.int64) * ENDS_ROW
+        ZQE_b = ZQE + row_q.to(tl.int64) * 2
         zk_bh = ZK + row_k.to(tl.int64) * ZSK
         dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
         bias_h = BIAS + h * sbias_h
-        col_hi, col_lo, zk_up = _key_ends(ZKE + row_k.to(tl.int64) * ENDS_ROW, offs_n, col_ok)
+        col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok, zk_up)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
         Q_bh = _token_rows(Q, sq, b, h, tok_q)
         DO_bh = _token_rows(DO, sdo, b, h, tok_q)
@@ -1724,7 +1716,7 @@ def _attn_bwd_kv_kernel(
         hi_sum = tl.zeros([BLOCK_N], tl.float32)
         lo_sum = tl.zeros([BLOCK_N], tl.float32)
         keys = KeyTile(k, offs_n, j_hi, zk_bh, t0, col_hi, col_lo, zk_up)
-        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base)
+        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base, zq_up)
         head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
         drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
         # fmt: off
@@ -2065,15 +2057,15 @@ def _sizes(geo):
 
 
 def _projection_buffers(geo, query_side, device):
-    """Z̃ [token rows, W padded to ROW_ALIGN] and its end buffer [token rows, ENDS_ROW] (see _ends), unwritten."""
+    """Z̃ [token rows, W padded to ROW_ALIGN] and its end columns [token rows, 2] (see _ends), unwritten."""
     width = geo.projection_columns(query_side)[1]
     z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=device, dtype=geo.z_dtype)
-    return z, torch.empty((geo.token_rows(query_side), ENDS_ROW), device=device, dtype=geo.z_dtype)
+    return z, torch.empty((geo.token_rows(query_side), 2), device=device, dtype=geo.z_dtype)
 
 
 def _project(x, table, bias, bounds, geo, cfg, query_side):
-    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end buffer (an fp16 Z̃: rows
-    scaled by bounds whose table factors `bounds` holds, see _row_exponents)."""
+    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns (stored scaled
+    by the bound in `bounds` when fp16: see _z_scales)."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
     z, ends = _projection_buffers(geo, query_side, x.device)
@@ -2118,11 +2110,11 @@ def _project(x, table, bias, bounds, geo, cfg, query_side):
 
 
 def _projections(q, k, expanded, geo, cfg, for_forward=False):
-    """(Z̃^Q, Z̃^K, their end buffers, the table factors of the bounds their fp16 rows are scaled by); None for a
-    side the spec does not have, and for the bounds of an fp32 storage.
+    """(Z̃^Q, Z̃^K, their end columns, the bounds their fp16 storage is scaled by); None for a side the spec does
+    not have, and for the bounds of an fp32 storage.
     for_forward: Z̃^Q's buffers only, which the forward kernel fills (gen.fused_zq)."""
     zq = zk = zqe = zke = None
-    bounds = _projection_bounds(expanded, geo, q.device)
+    bounds = _projection_bounds(q, k, expanded, geo)
     zq, zqe = (
         _projection_buffers(geo, True, q.device)
         if for_forward
@@ -2132,17 +2124,18 @@ def _projections(q, k, expanded, geo, cfg, for_forward=False):
     return zq, zk, zqe, zke, bounds
 
 
-def _projection_bounds(expanded, geo, device):
-    """The table factors (max‖a‖, max|b| per side, as partial maxima) of the row bounds an fp16 Z̃ is scaled by
-    (_row_exponents), computed on the device in one launch; None when Z̃ is stored in fp32."""
+def _projection_bounds(q, k, expanded, geo):
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each, as partial maxima) that an fp16
+    storage scales them by (_z_scales), computed on the device in one launch; None when Z̃ is stored in fp32."""
     if geo.z_dtype != torch.float16 or not True:
         return None
     return projection_bounds(
+        q,
         expanded.aq.reshape(-1, geo.head_dim),
         None,
+        k,
         expanded.ak.reshape(-1, geo.head_dim),
         None,
-        device,
     )
 
 
@@ -2185,7 +2178,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         v_desc,
         o,
         lse2,
-        *(_or(z, dummy) for z in projections[:4]),
+        *(_or(z, dummy) for z in projections),
         _or(bias_vec, dummy),
         _or(kpm, dummy),
         dummy,
@@ -2200,7 +2193,6 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         geo.qk_scale,
         expanded.aq,
         _or(None, dummy),
-        _or(projections[4], dummy),
         geo.table_head_stride(expanded.aq),
         geo.table_head_stride(None),
         HEAD_DIM=geo.head_dim,
@@ -2394,8 +2386,7 @@ def _backward(do, saved, geo, cfg):
     dz = geo.gradient_buffer(q.device)
     dz_bounds = _preprocess(o, do, v, delta, cu[0], dz.dtype == torch.float16, wide, geo, c)
     bias_vec = None
-    # Z̃ and their end buffers (the bounds' table factors are the writers' alone)
-    common = (*(_or(z, dummy) for z in projections[:4]), _or(bias_vec, dummy), _or(kpm, dummy))
+    common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = dummy
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(
@@ -2529,7 +2520,7 @@ def _kept_buffers(geo, device):
     zk, zke = _projection_buffers(geo, False, device)
     bounds = None
     if geo.z_dtype == torch.float16:
-        bounds = torch.empty((4, PARTIALS.value), device=device, dtype=torch.float32)
+        bounds = torch.empty((6, PARTIALS.value), device=device, dtype=torch.float32)
     return zq, zk, zqe, zke, bounds
 
 

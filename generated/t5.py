@@ -23,10 +23,8 @@ from relgen.runtime.scales import (
     block_rows,
     max_row_norm,
     partial_max,
-    pow2,
     pow2_scales,
     projection_bounds,
-    row_exponents,
     row_norms,
     token_rows,
 )
@@ -79,8 +77,6 @@ CLIP_BAND = tl.constexpr(True)
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
 # parameters named *_A), which lets the compiler prove 16-byte alignment and emit vector loads and stores
 ROW_ALIGN = tl.constexpr(_rt.ROW_ALIGN)
-# entries per token row of an end buffer: the row's end columns C − 1 and 0, its storage exponent (fp16 Z̃), unused
-ENDS_ROW = tl.constexpr(_rt.END_ENTRIES)
 # integer arguments the attention kernels leave to run time (Triton specialises an integer on being 1 or a multiple
 # of 16): window sizes and strides, which vary with N inside a bucket, the dropout seed, which varies per step
 # (specialised, a training run's seeds would compile each kernel up to three times), and QPOS, the absolute position
@@ -118,7 +114,7 @@ class Geometry(NamedTuple):
 class QueryTile(NamedTuple):
     """A score tile's queries: q [BM, BLOCK_D] at positions offs_m, their rows of Z̃^Q (zq_bh: the sequence's first,
     or Ã^Q's head without projections), the first column s0 of their group's window, their end-column entries
-    and their rows' storage scales 2^s_i (_ends)."""
+    (_ends) and Z̃^Q's storage scale 2^s (_z_scales)."""
 
     q: tl.tensor
     offs_m: tl.tensor
@@ -131,7 +127,7 @@ class QueryTile(NamedTuple):
 
 class KeyTile(NamedTuple):
     """A score tile's keys: k [BN, BLOCK_D] at positions offs_n (listed down from j_hi: _key_tile), their rows of
-    Z̃^K, the first column t0 of their group's window, their end-column entries and their rows' storage scales."""
+    Z̃^K, the first column t0 of their group's window, their end-column entries and Z̃^K's storage scale."""
 
     k: tl.tensor
     offs_n: tl.tensor
@@ -178,8 +174,8 @@ class KeyBoxes(NamedTuple):
 
 class KeySource(NamedTuple):
     """Where a query-parallel program reads its key tiles: K and V from its sequence's first key on, with their
-    token strides, the rows of Z̃^K and of its end buffer from that key on, and the base of the key groups' windows
-    (_window_base)."""
+    token strides, the rows of Z̃^K and of its end buffer from that key on, the base of the key groups' windows
+    (_window_base) and Z̃^K's storage scale."""
 
     K: tl.tensor
     V: tl.tensor
@@ -188,12 +184,13 @@ class KeySource(NamedTuple):
     ZK: tl.tensor
     ZKE: tl.tensor
     win_base: tl.tensor
+    zk_up: tl.tensor
 
 
 class QuerySource(NamedTuple):
     """Where the key pass reads its query tiles: Q, dO, the LSE and D = rowsum(dO ∘ O) from its sequence's first
-    query on, the token strides of Q and dO, the rows of Z̃^Q and of its end buffer, and the base of the query
-    groups' windows."""
+    query on, the token strides of Q and dO, the rows of Z̃^Q and of its end buffer, the base of the query groups'
+    windows and Z̃^Q's storage scale."""
 
     Q: tl.tensor
     DO: tl.tensor
@@ -204,6 +201,7 @@ class QuerySource(NamedTuple):
     ZQ: tl.tensor
     ZQE: tl.tensor
     win_base: tl.tensor
+    zq_up: tl.tensor
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -384,30 +382,25 @@ def _band_offsets(offs_m, j_hi, DOFF, BLOCK_N: tl.constexpr, KEY_MAJOR: tl.const
 
 
 @triton.jit
-def _ends(E, offs, ok):
-    """(hi, lo, up) of tokens `offs`: their entries at the two saturated columns, C − 1 and 0, from the compact end
-    buffer [token, ENDS_ROW] (0 where a token's window does not reach that column), one contiguous load per tile
-    instead of one row each, and their rows' storage scales 2^s_t (1 for an fp32 buffer; see _row_exponents)."""
-    if E.dtype.element_ty == tl.float16:
-        up = pow2(tl.load(E + offs * ENDS_ROW + 2, mask=ok, other=0.0).to(tl.int32))
-    else:
-        up = tl.full(offs.shape, 1.0, tl.float32)
-    hi = tl.load(E + offs * ENDS_ROW, mask=ok, other=0.0).to(tl.float32) * up
-    lo = tl.load(E + offs * ENDS_ROW + 1, mask=ok, other=0.0).to(tl.float32) * up
-    return hi, lo, up
+def _ends(E, offs, ok, up):
+    """Per-token entries at the two saturated columns, C − 1 and 0, from the compact end buffer [token, 2]
+    (0 where a token's window does not reach that column): one contiguous load per tile instead of one row each.
+    `up`: the buffer's storage scale 2^s (see _z_scales)."""
+    hi = tl.load(E + offs * 2, mask=ok, other=0.0).to(tl.float32) * up
+    lo = tl.load(E + offs * 2 + 1, mask=ok, other=0.0).to(tl.float32) * up
+    return hi, lo
 
 
 @triton.jit
-def _row_exponents(x, BOUNDS, E, SIGN: tl.constexpr):
-    """s_t of the rows of Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) whose tokens are the rows of x [BT, BLOCK_D]: an fp16
-    buffer (its end buffer E is fp16) stores row t as Z̃_t·2^-s_t, s_t from the bound ‖x_t‖·max‖a‖ + max|b|, whose
-    table factors' partial maxima relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran (the
-    writer keeps s_t in the row's end entry, where readers find it: _ends); an fp32 buffer holds Z̃ itself (0)."""
+def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
+    """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
+    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors' partial maxima
+    relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
-        side: tl.constexpr = 0 if SIGN == 1 else 2
-        return row_exponents(x, partial_max(BOUNDS, side), partial_max(BOUNDS, side + 1))
+        side: tl.constexpr = 0 if SIGN == 1 else 3
+        return pow2_scales(partial_max(BOUNDS, side) * partial_max(BOUNDS, side + 1) + partial_max(BOUNDS, side + 2))
     else:
-        return tl.zeros([x.shape[0]], tl.int32)
+        return 1.0, 1.0
 
 
 @triton.jit
@@ -438,13 +431,13 @@ def _end_shift(row_end, b_end):
 
 
 @triton.jit
-def _query_ends(E, offs_m, row_ok):
-    return 0.0, 0.0, 1.0  # no query term
+def _query_ends(E, offs_m, row_ok, up):
+    return 0.0, 0.0  # no query term
 
 
 @triton.jit
-def _key_ends(E, offs_n, col_ok):
-    return 0.0, 0.0, 1.0  # no key term
+def _key_ends(E, offs_n, col_ok, up):
+    return 0.0, 0.0  # no key term
 
 
 @triton.jit
@@ -507,7 +500,7 @@ def _score_tile(
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
-    Band entries read from Z̃^Q and Z̃^K are multiplied by their rows' storage scales (zq_up, zk_up).
+    Band entries read from Z̃^Q and Z̃^K are multiplied by their storage scales (zq_up, zk_up).
     The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. MASKED: the tile meets the causal diagonal,
     a local window's edge or the keys' end. CLIP: an edge tile reads its entries at the clipped columns
     (_clamped_run), which only the forward does (CLIP_BAND)."""
@@ -578,7 +571,7 @@ def _project_columns(
     W,
     w_lo,
     w_hi,
-    s,
+    down,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -587,19 +580,15 @@ def _project_columns(
 ):
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
     head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
-    compact end buffer's rows end_rows [BT] (0 if the window leaves them out: written by the run starting at column
-    0, with the rows' storage exponents). Row t's entries are stored times 2^-s_t (fp16: _row_exponents)."""
+    compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0).
+    Entries are stored times `down` = 2^-s (the buffer's storage scale, _z_scales)."""
     offs_d = tl.arange(0, BLOCK_D)
     hi_col = C - 1 - start  # the end columns' places in this group's window
     lo_col = -start
-    SCALED: tl.constexpr = end_rows.dtype.element_ty == tl.float16
     if w_lo == 0:
         zero = tl.zeros(t_ok.shape, tl.float32).to(end_rows.dtype.element_ty)
         tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
         tl.store(end_rows + 1, zero, mask=t_ok & (lo_col < 0))
-        if SCALED:
-            tl.store(end_rows + 2, s.to(end_rows.dtype.element_ty), mask=t_ok)
-    down = pow2(-s)
     for w0 in range(w_lo, w_hi, BLOCK_W):
         offs_w = w0 + tl.arange(0, BLOCK_W)
         w_ok = offs_w < W
@@ -611,8 +600,7 @@ def _project_columns(
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
-        if SCALED:
-            z = z * down[:, None]
+        z = z * down
         tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
         if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
             tl.store(
@@ -682,7 +670,7 @@ def _project_kernel(
     start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
     X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
     x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    s = _row_exponents(x, BOUNDS, ENDS, SIGN)
+    down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
     # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
     # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
     _project_columns(
@@ -690,14 +678,14 @@ def _project_kernel(
         TABLE + h * st_h,
         BIAS + h * sb_h,
         Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS,
-        ENDS + (row0.to(tl.int64) + offs_t) * ENDS_ROW,
+        ENDS + (row0.to(tl.int64) + offs_t) * 2,
         t_ok,
         start,
         C,
         W,
         pid_w * cols_per_program,
         tl.minimum((pid_w + 1) * cols_per_program, ZS),
-        s,
+        down,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -753,8 +741,8 @@ def _fwd_range(
             k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
             v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
-        col_hi, col_lo, zk_up = _key_ends(keys.ZKE, offs_n, offs_n < geo.Nk)
-        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, zk_up)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < geo.Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
         x, c = _score_tile(
             queries,
             key_tile,
@@ -810,6 +798,7 @@ def _attn_fwd_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     COPY_MAP,
@@ -879,13 +868,14 @@ def _attn_fwd_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
-    ZKE_b = ZKE + row_k.to(tl.int64) * ENDS_ROW
-    ZQE_b = ZQE + row_q.to(tl.int64) * ENDS_ROW
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
     V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
-    row_hi, row_lo, zq_up = _query_ends(ZQE_b, offs_m, offs_m < Nq)
+    zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, offs_m < Nq, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -893,7 +883,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP))
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     boxes = KeyBoxes(K_DESC, V_DESC, b, h // KV_GROUP)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
@@ -1115,8 +1105,8 @@ def _bwd_q_range(
         k = tl.load(keys.K + offs_n[:, None] * keys.sk_n + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(keys.V + offs_n[:, None] * keys.sv_n + offs_d[None, :], mask=kv_ok, other=0.0)
         t0 = _window_start(tile * BLOCK_N // GROUP, GROUP, -1, keys.win_base, geo.C, geo.WK)
-        col_hi, col_lo, zk_up = _key_ends(keys.ZKE, offs_n, offs_n < Nk)
-        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, zk_up)
+        col_hi, col_lo = _key_ends(keys.ZKE, offs_n, offs_n < Nk, keys.zk_up)
+        key_tile = KeyTile(k, offs_n, j_hi, keys.ZK, t0, col_hi, col_lo, keys.zk_up)
         p, p_kept = _tile_probabilities(
             queries,
             key_tile,
@@ -1170,6 +1160,7 @@ def _attn_bwd_q_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DQ,
@@ -1251,14 +1242,16 @@ def _attn_bwd_q_kernel(
     s0 = _window_start(i0 // GROUP, GROUP, 1, _window_base(1, DOFF, Nk, LOW, GROUP), C, WQ)
     zq_bh = ZQ + row_q.to(tl.int64) * ZSQ
     ZK_b = ZK + row_k.to(tl.int64) * ZSK
-    ZKE_b = ZKE + row_k.to(tl.int64) * ENDS_ROW
+    ZKE_b = ZKE + row_k.to(tl.int64) * 2
     dzq_rows = DZQ + (row_q.to(tl.int64) + offs_m) * WDZ
     bias_h = BIAS + h * sbias_h
     kpm_b = KPM + b * skpm_b
     K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
     V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZQ, Nq_all, False)
-    row_hi, row_lo, zq_up = _query_ends(ZQE + row_q.to(tl.int64) * ENDS_ROW, offs_m, row_ok)
+    row_hi, row_lo = _query_ends(ZQE + row_q.to(tl.int64) * 2, offs_m, row_ok, zq_up)
     b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -1266,7 +1259,7 @@ def _attn_bwd_q_kernel(
     lo_sum = tl.zeros([BLOCK_M], tl.float32)
     n_hi, n_lo, n_valid, n_end = _key_runs(i0, geo, BLOCK_M, BLOCK_N, REUSE)
     queries = QueryTile(q, offs_m, zq_bh, s0, row_hi, row_lo, zq_up)
-    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP))
+    keys = KeySource(K_bh, V_bh, sk[2], sv[2], ZK_b, ZKE_b, _window_base(-1, DOFF, Nk, LOW, GROUP), zk_up)
     head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
     drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
     # fmt: off
@@ -1372,8 +1365,8 @@ def _bwd_kv_range(
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
         Di = tl.load(queries.DELTA + offs_m, mask=row_ok, other=0.0)
         s0 = _window_start(tile * BLOCK_M // GROUP, GROUP, 1, queries.win_base, geo.C, geo.WQ)
-        row_hi, row_lo, zq_up = _query_ends(queries.ZQE, offs_m, row_ok)
-        query_tile = QueryTile(q, offs_m, queries.ZQ, s0, row_hi, row_lo, zq_up)
+        row_hi, row_lo = _query_ends(queries.ZQE, offs_m, row_ok, queries.zq_up)
+        query_tile = QueryTile(q, offs_m, queries.ZQ, s0, row_hi, row_lo, queries.zq_up)
         p, p_kept = _tile_probabilities(
             query_tile,
             keys,
@@ -1413,6 +1406,7 @@ def _attn_bwd_kv_kernel(
     ZK,
     ZQE,
     ZKE,
+    BOUNDS,
     BIAS,
     KPM,
     DK,
@@ -1499,6 +1493,8 @@ def _attn_bwd_kv_kernel(
     q_win_base = _window_base(1, DOFF, Nk, LOW, GROUP)
     t0 = _window_start(j0 // GROUP, GROUP, -1, _window_base(-1, DOFF, Nk, LOW, GROUP), C, WK)
     kpm_b = KPM + b * skpm_b
+    _zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
+    _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     dz_down, _dz_up = _dz_scales(DZ_BOUNDS, DZK, Nq_all, True)
     m_start, m_valid, m_lo, m_hi, m_end = _query_runs(j0, geo, BLOCK_M, BLOCK_N, REUSE)
 
@@ -1515,11 +1511,11 @@ def _attn_bwd_kv_kernel(
         h = bh % H
         _, _, _, _, row_q, row_k, _ = _sequence(bh, H, CU, CU_K, Nq_all, Nk_all, TOTAL, TOTAL_K, DOFF0, VARLEN)
         ZQ_b = ZQ + row_q.to(tl.int64) * ZSQ
-        ZQE_b = ZQE + row_q.to(tl.int64) * ENDS_ROW
+        ZQE_b = ZQE + row_q.to(tl.int64) * 2
         zk_bh = ZK + row_k.to(tl.int64) * ZSK
         dzk_rows = DZK + (row_k.to(tl.int64) + offs_n) * WDZ
         bias_h = BIAS + h * sbias_h
-        col_hi, col_lo, zk_up = _key_ends(ZKE + row_k.to(tl.int64) * ENDS_ROW, offs_n, col_ok)
+        col_hi, col_lo = _key_ends(ZKE + row_k.to(tl.int64) * 2, offs_n, col_ok, zk_up)
         b_hi, b_lo = _bias_ends(bias_h, COPY_MAP, C)
         Q_bh = _token_rows(Q, sq, b, h, tok_q)
         DO_bh = _token_rows(DO, sdo, b, h, tok_q)
@@ -1528,7 +1524,7 @@ def _attn_bwd_kv_kernel(
         hi_sum = tl.zeros([BLOCK_N], tl.float32)
         lo_sum = tl.zeros([BLOCK_N], tl.float32)
         keys = KeyTile(k, offs_n, j_hi, zk_bh, t0, col_hi, col_lo, zk_up)
-        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base)
+        queries = QuerySource(Q_bh, DO_bh, LSE_bh, DELTA_bh, sq[2], sdo[2], ZQ_b, ZQE_b, q_win_base, zq_up)
         head = HeadTerms(bias_h, kpm_b, COPY_MAP, b_hi, b_lo)
         drop = Dropout(bh, seed, dropout_p, H, QPOS, QPOS - DOFF0)
         # fmt: off
@@ -1854,15 +1850,15 @@ def _sizes(geo):
 
 
 def _projection_buffers(geo, query_side, device):
-    """Z̃ [token rows, W padded to ROW_ALIGN] and its end buffer [token rows, ENDS_ROW] (see _ends), unwritten."""
+    """Z̃ [token rows, W padded to ROW_ALIGN] and its end columns [token rows, 2] (see _ends), unwritten."""
     width = geo.projection_columns(query_side)[1]
     z = torch.empty((geo.token_rows(query_side), geo.row_stride(width)), device=device, dtype=geo.z_dtype)
-    return z, torch.empty((geo.token_rows(query_side), ENDS_ROW), device=device, dtype=geo.z_dtype)
+    return z, torch.empty((geo.token_rows(query_side), 2), device=device, dtype=geo.z_dtype)
 
 
 def _project(x, table, bias, bounds, geo, cfg, query_side):
-    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end buffer (an fp16 Z̃: rows
-    scaled by bounds whose table factors `bounds` holds, see _row_exponents)."""
+    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns (stored scaled
+    by the bound in `bounds` when fp16: see _z_scales)."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
     z, ends = _projection_buffers(geo, query_side, x.device)
@@ -1907,24 +1903,25 @@ def _project(x, table, bias, bounds, geo, cfg, query_side):
 
 
 def _projections(q, k, expanded, geo, cfg, for_forward=False):
-    """(Z̃^Q, Z̃^K, their end buffers, the table factors of the bounds their fp16 rows are scaled by); None for a
-    side the spec does not have, and for the bounds of an fp32 storage."""
+    """(Z̃^Q, Z̃^K, their end columns, the bounds their fp16 storage is scaled by); None for a side the spec does
+    not have, and for the bounds of an fp32 storage."""
     zq = zk = zqe = zke = None
-    bounds = _projection_bounds(expanded, geo, q.device)
+    bounds = _projection_bounds(q, k, expanded, geo)
     return zq, zk, zqe, zke, bounds
 
 
-def _projection_bounds(expanded, geo, device):
-    """The table factors (max‖a‖, max|b| per side, as partial maxima) of the row bounds an fp16 Z̃ is scaled by
-    (_row_exponents), computed on the device in one launch; None when Z̃ is stored in fp32."""
+def _projection_bounds(q, k, expanded, geo):
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each, as partial maxima) that an fp16
+    storage scales them by (_z_scales), computed on the device in one launch; None when Z̃ is stored in fp32."""
     if geo.z_dtype != torch.float16 or not False:
         return None
     return projection_bounds(
+        q,
         None,
         None,
+        k,
         None,
         None,
-        device,
     )
 
 
@@ -1967,7 +1964,7 @@ def _forward(q, k, v, projections, expanded, kpm, geo, cfg):
         v_desc,
         o,
         lse2,
-        *(_or(z, dummy) for z in projections[:4]),
+        *(_or(z, dummy) for z in projections),
         _or(bias_vec, dummy),
         _or(kpm, dummy),
         dummy,
@@ -2170,8 +2167,7 @@ def _backward(do, saved, geo, cfg):
     dz = geo.gradient_buffer(q.device)
     dz_bounds = _preprocess(o, do, v, delta, cu[0], dz.dtype == torch.float16, wide, geo, c)
     bias_vec = expanded.bias
-    # Z̃ and their end buffers (the bounds' table factors are the writers' alone)
-    common = (*(_or(z, dummy) for z in projections[:4]), _or(bias_vec, dummy), _or(kpm, dummy))
+    common = (*(_or(z, dummy) for z in projections), _or(bias_vec, dummy), _or(kpm, dummy))
     copy_map = dummy
     kpm_stride = kpm.stride(0) if kpm is not None else 0
     meta = dict(

@@ -46,12 +46,11 @@ def ceil8(n: int) -> int:
 def identity_memory(b: int, h: int, n: int, group: int, z_bytes: int, dz_bytes: int) -> tuple[int, int, int]:
     """(stored forward, stored backward, tiled) bytes of a dense identity-map query-term call of N = Nq = Nk, by
     docs/algorithm.md section 10: T = B·H·N token rows, W = min(C, N + G − 1) with C = 2N − 1; Z̃ holds T·⌈W⌉₈
-    entries and its end buffer T·4 (end columns and row exponent), dZ̃ T·⌈W⌉₈; the in-tile products keep only the end
-    buffer, in fp32."""
+    entries and its end columns T·2, dZ̃ T·⌈W⌉₈; the in-tile products keep only the end columns, in fp32."""
     t = b * h * n
     w = ceil8(min(2 * n - 1, n + group - 1))
-    forward = t * (w + 4) * z_bytes
-    return forward, forward + t * w * dz_bytes, t * 4 * 4
+    forward = t * (w + 2) * z_bytes
+    return forward, forward + t * w * dz_bytes, t * 2 * 4
 
 
 class Spy:

@@ -21,9 +21,6 @@ LOG2E = 1.4426950408889634
 #: Rows of the per-token buffers (Z̃, dZ̃) start at multiples of this many elements (16 bytes in fp16). Kernels
 #: receive those row strides in units of it, so that the compiler can prove the alignment and vectorize.
 ROW_ALIGN = 8
-#: Entries per token row of a Z̃'s end buffer: the row's entries at the end columns C − 1 and 0, its storage
-#: exponent s_t (an fp16 Z̃: relgen.runtime.scales), and one unused (rows of 8 bytes in fp16)
-END_ENTRIES = 4
 #: The largest offset (in elements) the kernels' index arithmetic forms in int32: a call that may form a larger one
 #: compiles them with int64 strides (Geometry.int64_offsets, the kernels' INT64)
 INT32_REACH = 2**31 - 1

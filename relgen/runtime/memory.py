@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from relgen.runtime.geometry import END_ENTRIES, Geometry, PlanInfo
+from relgen.runtime.geometry import Geometry, PlanInfo
 from relgen.runtime.storage import projection_storage
 from relgen.tiles.select import select_config
 
@@ -120,13 +120,13 @@ def projection_memory(geo: Geometry) -> ProjectionMemory:
     buffers. Per stored side (query term: Z̃^Q, key term: Z̃^K), with T the side's token rows (Geometry.token_rows)
     and ⌈W⌉₈ its window rounded up to ROW_ALIGN (Geometry.row_stride of projection_columns' width):
 
-        stored forward   Σ_side T·(⌈W⌉₈ + E)·|z|      Z̃ and its end buffer (E = END_ENTRIES), |z| = Z̃'s element size
+        stored forward   Σ_side T·(⌈W⌉₈ + 2)·|z|      Z̃ and its two end columns, |z| = Z̃'s element size
         stored backward  the forward's + max_side T·⌈W⌉₈·|dz|   the dZ̃ buffer (Geometry.gradient_elements)
-        tiled            Σ_side T·E·4               the end buffer, formed in fp32 (no Z̃, no dZ̃)
+        tiled            Σ_side T·2·4               the end columns, formed in fp32 (no Z̃, no dZ̃)
 
     Not counted: the table gradients both strategies form in fp32 (the stored path's reduction as partial sums
     per chunk of tokens, the in-tile offset-parallel pass as one [H, C, d] buffer), and the in-tile passes' end sums
-    (T·2·4 bytes, less than the end buffer). A spec without a query or key term
+    are the T·2·4 bytes above. A spec without a query or key term
     stores no Z̃ (its stored forward is 0; its backward's dZ̃ carries the bias gradient) and has no in-tile
     variant: its "tiled" figures are its stored ones."""
     sides = [side for side, term in ((True, "query"), (False, "key")) if term in geo.plan.terms]
@@ -135,11 +135,10 @@ def projection_memory(geo: Geometry) -> ProjectionMemory:
         return ProjectionMemory(forward, backward, forward, backward)
     z_size = geo.z_dtype.itemsize
     stored = sum(
-        geo.token_rows(side) * (geo.row_stride(geo.projection_columns(side)[1]) + END_ENTRIES) * z_size
-        for side in sides
+        geo.token_rows(side) * (geo.row_stride(geo.projection_columns(side)[1]) + 2) * z_size for side in sides
     )
     gradient = geo.gradient_elements() * geo.dz_dtype.itemsize
-    tiled = sum(geo.token_rows(side) * END_ENTRIES * _FP32 for side in sides)
+    tiled = sum(geo.token_rows(side) * 2 * _FP32 for side in sides)
     return ProjectionMemory(stored, stored + gradient, tiled, tiled)
 
 

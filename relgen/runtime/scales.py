@@ -1,33 +1,31 @@
-"""The fp16 storage of the stored projections Z̃ and their gradients dZ̃: power-of-two scales chosen on the device
-by the kernels that write the buffers, so that no entry can leave fp16's range.
+"""The fp16 storage of the stored projections Z̃ and their gradients dZ̃: a power-of-two scale per buffer, chosen on
+the device before the kernels that write the buffer run, so that no entry can leave fp16's range.
 
-Each row of Z̃ has its own scale, each dZ̃ buffer one, from an upper bound β on |entry| that follows from the inputs:
+Each buffer has an upper bound β on |entry| that follows from the inputs alone:
 
-* a row t of Z̃^Q = q·ã^Q (+ b̃ where folded): |q_t·ã_s + b̃_s| ≤ ‖q_t‖ · max_r ‖a_r‖ + max_r |b_r| (Cauchy–Schwarz;
-  the expanded rows ã_s are copies of the table's rows a_r). Rows of Z̃^K alike with k_t and ã^K.
+* Z̃^Q = q·ã^Q (+ b̃ where folded): |q_i·ã_s + b̃_s| ≤ max_i ‖q_i‖ · max_r ‖a_r‖ + max_r |b_r| (Cauchy–Schwarz; the
+  expanded rows ã_s are copies of the table's rows a_r). Z̃^K alike with k and ã^K.
 * dZ̃ holds τ·dS summed over pairs that share a column (docs/algorithm.md, sections 5 and 7,
   derive both bounds).
   With dP_ij = dO_i·v_j, D_i = dO_i·O_i and P'_ij = P_ij·keep_ij/(1 − p): |dS_ij| ≤ 2·P_ij·‖dO_i‖·max‖v‖/(1 − p),
   so an entry of a query row is at most β_Q = 2τ·max‖dO‖·max‖v‖/(1 − p) (Σ_j P_ij ≤ 1), and one of a key row
   at most Nq·β_Q (it sums over up to Nq queries).
 
-A Z̃ row's token factor ‖x_t‖ is formed by the program that writes the row, from the token it has loaded anyway
-(`row_exponents`); the row's exponent s_t goes to the row's entry in the end buffer, where every reader finds it.
-The table factors max‖a‖ and max|b| come from `projection_bounds`, which reads only the tables (small: no read of
-q or k). It and the backward's preprocessing kernel (for dZ̃'s factors, from dO and V) compute their maxima with
-PARTIALS programs: each writes its partial maxima to its own slot of a [factors, PARTIALS] tensor, so the tensor
-needs no zeroing launch and the result no atomics (nor depends on the programs' order); each kernel that reads a
-bound takes the maximum of the slots itself (`partial_max`). `storage_exponent` turns β into s:
+`projection_bounds` (for Z̃) and the backward's preprocessing kernel (for dZ̃) compute the maxima in one launch
+each, with PARTIALS programs: each writes its partial maxima to its own slot of a [factors, PARTIALS] tensor, so the
+tensor needs no zeroing launch and the result no atomics (nor depends on the programs' order); each kernel that
+reads a bound takes the maximum of the slots itself (`partial_max`), turns the maxima into β and β into the scale
+with `pow2_scales`:
 2^-s is the largest power of two with β·2^-s ≤ STORE_LIMIT = 65248 = 65504 − 256, fp16's largest number less
 a margin for the rounding of the bound itself (an fp32 sum over d terms: relative 10⁻⁵ at d = 256). Writers
 multiply by 2^-s before the fp16 store, readers by 2^s after the load: multiplications by powers of two, exact.
 
-The scale also lifts small rows and buffers (s < 0): entries that are all tiny (e.g. dZ̃ for a small dO, or the
-row of a short token) stay in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an
-unscaled fp16 store could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store
-would store it. Otherwise entries keep fp16's relative error 2⁻¹¹ down to |entry| ≥ 2^-14·2^s and have an absolute
-error ≤ 2^(s−25) below, where 2^s < β/32624: an underflow of at most β·2⁻⁴⁰, against the row's (or buffer's) own
-bound. Nothing is read back on the host, so calls stay capturable in CUDA graphs.
+The scale also lifts small buffers (s < 0): a buffer whose entries are all tiny (e.g. dZ̃ for a small dO) keeps
+them in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an unscaled fp16 store
+could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store would store it.
+Otherwise entries keep fp16's relative error 2⁻¹¹ down to |entry| ≥ 2^-14·2^s and have an absolute error
+≤ 2^(s−25) below, where 2^s < β/32624: an underflow of at most β·2⁻⁴⁰, against the buffer's own bound. Nothing is
+read back on the host, so calls stay capturable in CUDA graphs.
 
 bf16 inputs whose products exceed fp32's range (|x·a| > 3.4·10³⁸) overflow in the kernels' fp32 accumulators
 whatever the storage; s is clamped to [−100, 114] so that 2^±s stay normal fp32 numbers for every bound."""
@@ -50,7 +48,7 @@ from relgen.tiles.configs import head_block  # noqa: E402
 STORE_LIMIT = tl.constexpr(65248.0)
 #: programs of a bound launch, hence slots per factor of a bounds tensor. Few, because every kernel that reads a
 #: bound reduces them (sm_90 compile of Shaw's backward: 256 slots spill 84 B in the query pass, 64 spill 12 B),
-#: each reading large blocks (_BLOCK_ELEMENTS, BOUND_WARPS) so that the 64 stream V (or a table) at full bandwidth
+#: each reading large blocks (_BLOCK_ELEMENTS, BOUND_WARPS) so that the 64 stream q, k or V at full bandwidth
 PARTIALS = tl.constexpr(64)
 #: elements (rows × padded head dim) each program of a bound launch reads at a time
 _BLOCK_ELEMENTS = 16384
@@ -59,25 +57,19 @@ BOUND_WARPS = 8
 
 
 @triton.jit
-def pow2(s):
+def _pow2(s):
     """2^s for an integer s in [−126, 127]: the fp32 number with that exponent and no mantissa bits (exact)."""
     return ((127 + s) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def storage_exponent(bound):
-    """s for entries at most `bound` (fp32, a scalar or a block) in magnitude: 2^-s is the largest power of two
-    with bound·2^-s ≤ STORE_LIMIT, s clamped to [−100, 114] (see the module). An int32 of bound's shape."""
+def pow2_scales(bound):
+    """(2^-s, 2^s) for a buffer whose entries are at most `bound` (an fp32 scalar) in magnitude: 2^-s is the
+    largest power of two with bound·2^-s ≤ STORE_LIMIT, s clamped to [−100, 114] (see the module)."""
     exponent = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF  # bound ∈ [2^(e−127), 2^(e−126))
     s = tl.minimum(tl.maximum(exponent - 142, -100), 114)  # unclamped: bound·2^-s ∈ [2^15, 2^16)
-    return tl.minimum(s + (bound * pow2(-s) > STORE_LIMIT).to(tl.int32), 114)
-
-
-@triton.jit
-def pow2_scales(bound):
-    """(2^-s, 2^s) for a buffer whose entries are at most `bound` in magnitude (storage_exponent)."""
-    s = storage_exponent(bound)
-    return pow2(-s), pow2(s)
+    s = tl.minimum(s + (bound * _pow2(-s) > STORE_LIMIT).to(tl.int32), 114)
+    return _pow2(-s), _pow2(s)
 
 
 @triton.jit
@@ -94,13 +86,6 @@ def row_norms(x):
     top = tl.max(x, 1)
     unit = x / tl.where(top > 0, top, 1.0)[:, None]
     return top * tl.sqrt(tl.sum(unit * unit, 1))
-
-
-@triton.jit
-def row_exponents(x, table_norm, bias_max):
-    """s_t of each row t of a Z̃ whose tokens x_t are the rows of the fp32-convertible block x [BT, BD]: the
-    storage exponent of the bound ‖x_t‖·table_norm + bias_max (table_norm = max‖a‖, bias_max = max|b|)."""
-    return storage_exponent(row_norms(x.to(tl.float32)) * table_norm + bias_max)
 
 
 @triton.jit
@@ -121,55 +106,102 @@ def max_row_norm(
 
 
 @triton.jit
-def _table_partials(OUT, A, sa, a_rows, B, b_rows, pid, programs, D: tl.constexpr, BD: tl.constexpr,
-                    BT: tl.constexpr, BT_B: tl.constexpr):
-    """This program's partial maxima of ‖a_r‖ (rows [a_rows, D]) and |b_r| to OUT[0..1, pid]."""
-    tl.store(OUT + pid, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
-    tl.store(OUT + PARTIALS + pid, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
+def _side_partials(
+    OUT,
+    X,
+    sx_b,
+    sx_h,
+    sx_n,
+    HX,
+    NX,
+    x_rows,
+    A,
+    sa,
+    a_rows,
+    B,
+    b_rows,
+    pid,
+    programs,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    BT_B: tl.constexpr,
+):
+    """This program's partial maxima of ‖x_t‖ (tokens), ‖a_r‖ (rows [a_rows, D]) and |b_r| to OUT[0..2, pid]."""
+    tl.store(OUT + pid, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT))
+    tl.store(OUT + PARTIALS + pid, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
+    tl.store(OUT + 2 * PARTIALS + pid, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
 
 
 @Launcher
 @triton.jit
 def _projection_bounds_kernel(
-    OUT, AQ, saq, aq_rows, BQ, bq_rows, AK, sak, ak_rows, BK, bk_rows,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BT_B: tl.constexpr,
+    OUT,
+    Q,
+    sq_b,
+    sq_h,
+    sq_n,
+    HQ,
+    NQ,
+    q_rows,
+    AQ,
+    saq,
+    aq_rows,
+    BQ,
+    bq_rows,
+    K,
+    sk_b,
+    sk_h,
+    sk_n,
+    HK,
+    NK,
+    k_rows,
+    AK,
+    sak,
+    ak_rows,
+    BK,
+    bk_rows,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    BT_B: tl.constexpr,
 ):
-    """OUT [4, PARTIALS]: this program's partial maxima of ‖a^Q‖, |b^Q|, ‖a^K‖, |b^K| (0 for none)."""
+    """OUT [6, PARTIALS]: this program's partial maxima of ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| (0 for none)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    _table_partials(OUT, AQ, saq, aq_rows, BQ, bq_rows, pid, programs, D, BD, BT, BT_B)
-    _table_partials(OUT + 2 * PARTIALS, AK, sak, ak_rows, BK, bk_rows, pid, programs, D, BD, BT, BT_B)
+    _side_partials(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
+                   D, BD, BT, BT_B)  # fmt: skip
+    _side_partials(OUT + 3 * PARTIALS, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid,
+                   programs, D, BD, BT, BT_B)  # fmt: skip
 
 
 def projection_bounds(
+    q: torch.Tensor,
     aq: torch.Tensor | None,
     bq: torch.Tensor | None,
+    k: torch.Tensor,
     ak: torch.Tensor | None,
     bk: torch.Tensor | None,
-    device: torch.device,
 ) -> torch.Tensor:
-    """The table factors of the row bounds of Z̃^Q and Z̃^K: a [4, PARTIALS] fp32 tensor whose rows hold the partial
-    maxima of ‖a^Q_r‖, |b^Q_r|, ‖a^K_r‖, |b^K_r| (0 for a table or bias that is None). aq, ak: a table's rows
-    [rows, d] (both of one d); bq, bk: vectors. The token factors ‖x_t‖ are formed where the rows are written
-    (row_exponents). One launch, no zeroing, no synchronisation."""
-    out = torch.empty((4, PARTIALS.value), device=device, dtype=torch.float32)
-    tables = [a for a in (aq, ak) if a is not None]
-    d = tables[0].shape[-1] if tables else 1
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K|: a [6, PARTIALS] fp32 tensor whose rows hold the partial
+    maxima of ‖q_t‖, ‖a^Q_r‖, |b^Q_r|, ‖k_t‖, ‖a^K_r‖, |b^K_r| (a side without a table: q or k not read, all 0).
+    q, k: [B, H, N, d] or packed [total, H, d] tokens, read through their strides (no copy); aq, ak: a table's rows
+    [rows, d]; bq, bk: vectors. One launch, no zeroing, no synchronisation."""
+    out = torch.empty((6, PARTIALS.value), device=q.device, dtype=torch.float32)
+    d = q.shape[-1]
     block_d = head_block(d)
     _projection_bounds_kernel[(PARTIALS.value,)](
-        out, *_table(aq, out), *_vector(bq, out), *_table(ak, out), *_vector(bk, out),
+        out, *_side(q, aq, bq, out), *_side(k, ak, bk, out),
         D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS, num_warps=BOUND_WARPS,
     )  # fmt: skip
     return out
 
 
-def _table(a: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
-    """A table's (rows [rows, d], row stride, row count) for _projection_bounds_kernel; none to read for None."""
-    return (a, a.stride(0), a.shape[0]) if a is not None else (dummy, 0, 0)
-
-
-def _vector(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
-    """A bias vector's (vector, length) for _projection_bounds_kernel; none to read for None."""
-    return (b, b.shape[0]) if b is not None else (dummy, 0)
+def _side(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """One side's arguments of _projection_bounds_kernel: no rows to read where the side has no table."""
+    if a is None:
+        return (dummy, 0, 0, 0, 1, 1, 0, dummy, 0, 0, dummy, 0)
+    bias = (b, b.shape[0]) if b is not None else (dummy, 0)
+    return (x, *token_rows(x), a, a.stride(0), a.shape[0], *bias)
 
 
 def block_rows(head_dim: int) -> int:

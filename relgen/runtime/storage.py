@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 #: "fp16" (the default): Z̃ (and dZ̃ for fp16 inputs on the offset path) in fp16, half the buffers' memory and
-#: band-gather bytes of fp32, each Z̃ row and dZ̃ buffer scaled by a power of two that the device derives from a
-#: bound on its entries as it writes them, so that no entry overflows for any finite input
-#: (relgen.runtime.scales); no host check. "fp32": Z̃ and dZ̃ in fp32 for fp16 and bf16 inputs, unscaled.
+#: band-gather bytes of fp32, each buffer scaled by a power of two that the device derives from a bound on its
+#: entries before writing it, so that no entry overflows for any finite input (relgen.runtime.scales); no host
+#: check. "fp32": Z̃ and dZ̃ in fp32 for fp16 and bf16 inputs, unscaled.
 PROJECTION_STORAGES = ("fp16", "fp32")
 #: the environment variable that chooses the storage at start-up
 PROJECTION_STORAGE_ENV = "RELGEN_PROJECTION_STORAGE"

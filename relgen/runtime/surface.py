@@ -13,12 +13,11 @@ from relgen.runtime.arguments import Call, finish, lastdim_contiguous, prepare_c
 from relgen.runtime.custom_ops import Passes, compiled_packing  # noqa: E402
 from relgen.runtime.custom_ops import register as register_custom_ops  # noqa: E402
 from relgen.runtime.descriptors import kv_descriptors  # noqa: E402
-from relgen.runtime.geometry import END_ENTRIES, ROW_ALIGN, PlanInfo, int64_offsets  # noqa: E402
+from relgen.runtime.geometry import ROW_ALIGN, PlanInfo, int64_offsets  # noqa: E402
 from relgen.runtime.launch import Launcher  # noqa: E402
 from relgen.tiles.grid import cdiv, column_splits, group_splits, table_partials  # noqa: E402
 
 __all__ = [
-    "END_ENTRIES",
     "ROW_ALIGN",
     "Call",
     "Launcher",
