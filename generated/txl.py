@@ -18,17 +18,7 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
-from relgen.runtime.scales import (
-    BOUND_WARPS,
-    PARTIALS,
-    block_rows,
-    max_row_norm,
-    partial_max,
-    pow2_scales,
-    projection_bounds,
-    row_norms,
-    token_rows,
-)
+from relgen.runtime.scales import max_row_norm, pow2_scales, projection_bounds, row_norms, token_rows
 
 SPEC_NAME = "txl"
 SPEC_HASH = "2e559959aa74558e"
@@ -410,11 +400,11 @@ def _ends(E, offs, ok, up):
 @triton.jit
 def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
     """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
-    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors' partial maxima
-    relgen.runtime.projection_bounds wrote to BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
+    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors relgen.runtime.projection_bounds wrote to
+    BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
         side: tl.constexpr = 0 if SIGN == 1 else 3
-        return pow2_scales(partial_max(BOUNDS, side) * partial_max(BOUNDS, side + 1) + partial_max(BOUNDS, side + 2))
+        return pow2_scales(tl.load(BOUNDS + side) * tl.load(BOUNDS + side + 1) + tl.load(BOUNDS + side + 2))
     else:
         return 1.0, 1.0
 
@@ -422,10 +412,10 @@ def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
 @triton.jit
 def _dz_scales(DZ_BOUNDS, DZ, Nq, KEY_SIDE: tl.constexpr):
     """(2^-s, 2^s): how dZ̃^Q (or dZ̃^K when KEY_SIDE) is stored. An fp16 buffer holds dZ̃·2^-s, s from the bound
-    2τ·max‖dO‖·max‖v‖/(1 − p) of a query row's entries (DZ_BOUNDS: its two factors' partial maxima, from
-    _bwd_preprocess_kernel), times Nq for a key row's (relgen.runtime.scales); an fp32 buffer holds dZ̃ itself."""
+    2τ·max‖dO‖·max‖v‖/(1 − p) of a query row's entries (DZ_BOUNDS: its two factors, from _bwd_preprocess_kernel),
+    times Nq for a key row's (relgen.runtime.scales); an fp32 buffer holds dZ̃ itself."""
     if DZ.dtype.element_ty == tl.float16:
-        bound = partial_max(DZ_BOUNDS, 0) * partial_max(DZ_BOUNDS, 1)
+        bound = tl.load(DZ_BOUNDS) * tl.load(DZ_BOUNDS + 1)
         if KEY_SIDE:
             bound = bound * Nq
         return pow2_scales(bound)
@@ -951,7 +941,6 @@ def _bwd_preprocess_kernel(
     H,
     Nq_all,
     TOTAL,
-    BH,
     sv_b,
     sv_h,
     sv_n,
@@ -964,39 +953,32 @@ def _bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     VARLEN: tl.constexpr,
     BOUNDS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    """D_i = rowsum(dO ∘ O), over blocks of BLOCK_M queries of the BH sequences: program p takes blocks p,
-    p + programs, ... BOUNDS (an fp16 dZ̃): also the two factors of dZ̃'s bound (_dz_scales), this program's
-    partial maxima of do_factor·‖dO_i‖ over its blocks (dO is loaded here anyway) and of ‖v_j‖ over its share of
-    V's v_rows rows, to its own slots DZ_BOUNDS[0, p] and DZ_BOUNDS[1, p] (relgen.runtime.scales): no launch or
-    zeroed tensor of their own."""
+    """D_i = rowsum(dO ∘ O), a program per block of BLOCK_M queries of one of the sequences. BOUNDS (an fp16 dZ̃): also
+    the two factors of dZ̃'s bound (_dz_scales), folded by atomic maxima into the zeroed DZ_BOUNDS[0] and [1]:
+    do_factor·‖dO_i‖ over the block (dO is loaded here anyway), and ‖v_j‖ over this program's share of V's v_rows
+    rows (relgen.runtime.scales): no launch of their own."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
+    blocks = tl.cdiv(Nq_all, BLOCK_M)
+    pid_m, bh = pid % blocks, pid // blocks
     # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
     so, sdo = _wide_strides(so, INT64), _wide_strides(sdo, INT64)
-    blocks = tl.cdiv(Nq_all, BLOCK_M)
+    b, h = bh // H, bh % H
+    tok0, _, Nq, _, row_q, _, _ = _sequence(bh, H, CU, CU, Nq_all, Nq_all, TOTAL, TOTAL, 0, VARLEN)
+    tok0 = tok0.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    best = tl.zeros([BLOCK_M], tl.float32)
-    for block in range(pid, blocks * BH, programs):
-        pid_m, bh = block % blocks, block // blocks
-        b, h = bh // H, bh % H
-        tok0, _, Nq, _, row_q, _, _ = _sequence(bh, H, CU, CU, Nq_all, Nq_all, TOTAL, TOTAL, 0, VARLEN)
-        tok0 = tok0.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
-        o = tl.load(_token_rows(O, so, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0)
-        do = tl.load(_token_rows(DO, sdo, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0).to(
-            tl.float32
-        )
-        tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
-        if BOUNDS:
-            best = tl.maximum(best, row_norms(do))
+    ok = _d_mask(offs_m[:, None] < Nq, offs_d, HEAD_DIM, BLOCK_D)
+    o = tl.load(_token_rows(O, so, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(_token_rows(DO, sdo, b, h, tok0 + offs_m[:, None]) + offs_d[None, :], mask=ok, other=0.0).to(
+        tl.float32
+    )
+    tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
     if BOUNDS:
-        tl.store(DZ_BOUNDS + pid, do_factor * tl.max(best, 0))
-        tl.store(
-            DZ_BOUNDS + PARTIALS + pid,
-            max_row_norm(V, sv_b, sv_h, sv_n, HV, NV, v_rows, pid, programs, HEAD_DIM, BLOCK_D, BLOCK_T),
+        tl.atomic_max(DZ_BOUNDS, do_factor * tl.max(row_norms(do), 0))
+        tl.atomic_max(
+            DZ_BOUNDS + 1, max_row_norm(V, sv_b, sv_h, sv_n, HV, NV, v_rows, pid, programs, HEAD_DIM, BLOCK_D, BLOCK_M)
         )
 
 
@@ -2120,14 +2102,11 @@ def _reduce(dz, dz_bounds, x, table, dx, geo, cfg, query_side, want_table, want_
 
 def _preprocess(o, do, v, delta, cu, bounds, wide, geo, c):
     """delta = rowsum(dO ∘ O); with `bounds` (an fp16 dZ̃) the same launch also returns the factors of the bound on a
-    query row's |dZ̃| entries, 2τ·max‖dO‖/(1 − p) and max‖v‖ as [2, PARTIALS] partial maxima (_dz_scales); else
-    delta itself stands in for them (unread)."""
-    # with bounds, PARTIALS programs stream O, dO and V: each in blocks as large as a bound launch's
-    block_m, warps = (block_rows(geo.head_dim), BOUND_WARPS) if bounds else (c.block_m, 4)
-    blocks = _rt.cdiv(geo.nq, block_m) * geo.batch * geo.heads
-    out = torch.empty((2, PARTIALS.value), device=do.device, dtype=torch.float32) if bounds else delta
+    query row's |dZ̃| entries, [2τ·max‖dO‖/(1 − p), max‖v‖] (_dz_scales); else delta itself stands in for them
+    (unread)."""
+    out = torch.zeros(2, device=do.device, dtype=torch.float32) if bounds else delta
     v_rows = token_rows(v) if bounds else (0, 0, 0, 1, 1, 0)
-    _bwd_preprocess_kernel[(PARTIALS.value if bounds else blocks,)](
+    _bwd_preprocess_kernel[(_rt.cdiv(geo.nq, c.block_m) * geo.batch * geo.heads,)](
         o,
         do,
         delta,
@@ -2139,17 +2118,14 @@ def _preprocess(o, do, v, delta, cu, bounds, wide, geo, c):
         geo.heads,
         geo.nq,
         geo.total,
-        geo.batch * geo.heads,
         *v_rows,
         2.0 * geo.scale / (1.0 - geo.dropout_p),
         HEAD_DIM=geo.head_dim,
         BLOCK_D=geo.block_d,
-        BLOCK_M=block_m,
+        BLOCK_M=c.block_m,
         VARLEN=geo.varlen,
         BOUNDS=bounds,
-        BLOCK_T=block_rows(geo.head_dim),
         INT64=wide,
-        num_warps=warps,
     )
     return out
 
@@ -2330,7 +2306,7 @@ def _kept_buffers(geo, device):
     zq, zqe = _projection_buffers(geo, True, device)
     bounds = None
     if geo.z_dtype == torch.float16:
-        bounds = torch.empty((6, PARTIALS.value), device=device, dtype=torch.float32)
+        bounds = torch.empty(6, device=device, dtype=torch.float32)
     return zq, zk, zqe, zke, bounds
 
 

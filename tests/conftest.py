@@ -33,6 +33,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """GPU tests share one device among parallel workers (pytest-xdist): after each test a worker hands back what its
+    caching allocator kept, so that an idle worker does not hold memory a large test in another worker needs."""
+    yield
+    if HAS_CUDA and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Under pytest-xdist, a CUDA fault poisons its process (errors are sticky): end the worker so that the

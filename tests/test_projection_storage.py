@@ -16,8 +16,9 @@ from kernel_cases import assert_all_close, make_inputs
 
 import relgen
 from relgen import config, reference
+from relgen.runtime import scales
 from relgen.runtime import storage as projection_storage
-from relgen.runtime.scales import PARTIALS, STORE_LIMIT, pow2_scales, projection_bounds
+from relgen.runtime.scales import STORE_LIMIT, pow2_scales, projection_bounds
 from relgen.testing import check_close
 
 HAS_CUDA = torch.cuda.is_available()
@@ -96,15 +97,15 @@ def _float64_norm_max(x: torch.Tensor) -> float:
     return float(x.detach().double().norm(dim=-1).max()) if x.numel() else 0.0
 
 
-def _maxima(partials: torch.Tensor) -> list[float]:
-    assert partials.shape == (6, PARTIALS.value) and torch.isfinite(partials).all()
-    return partials.max(dim=1).values.tolist()
+def _maxima(bounds: torch.Tensor) -> list[float]:
+    assert bounds.shape == (6,) and torch.isfinite(bounds).all()
+    return bounds.tolist()
 
 
 def test_projection_bounds_match_an_independent_float64_computation():
     """Token rows read through a non-contiguous layout ('bnhd' as a [B, H, N, d] view), packed tokens, table rows
-    and bias vectors, each against float64 (the maxima of the partial maxima, which every slot holds: no zeroing);
-    bf16-sized rows whose squares overflow fp32 stay finite; a side without a table reads nothing."""
+    and bias vectors, each against float64; bf16-sized rows whose squares overflow fp32 stay finite; a side
+    without a table reads nothing."""
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randn(2, 5, 3, 24, generator=gen).half().to(DEVICE).transpose(1, 2)  # [B, H, N, d] view
     packed = torch.randn(37, 3, 24, generator=gen).to(DEVICE)
@@ -119,9 +120,31 @@ def test_projection_bounds_match_an_independent_float64_computation():
     assert got == pytest.approx([0.0, 0.0, 0.0, _float64_norm_max(tokens), _float64_norm_max(table), 0.0], rel=1e-6)
 
 
-def test_the_backward_writes_every_gradient_bound_slot(storage):
-    """The bound launches write their partial maxima into tensors they do not zero (Z̃'s and dZ̃'s): with every
-    fp32 tensor's memory first filled with 10^30, the output and the gradients still match float64."""
+@pytest.mark.parametrize("programs", [None, 3], ids=["a program a block", "programs loop over blocks"])
+@pytest.mark.parametrize("where", [0, 777, 1999])
+def test_projection_bounds_combine_every_programs_maxima(programs, where):
+    """The largest row wherever it lies among 2,000 rows of 16 blocks, whether each program takes one block or the
+    grid is capped (MAX_BOUND_PROGRAMS) and its programs loop: the atomic maxima of all programs, against float64."""
+    gen = torch.Generator().manual_seed(where)
+    tokens = torch.randn(1, 2, 1000, 24, generator=gen)
+    tokens.view(-1, 24)[where] *= 30.0
+    table = torch.randn(2000, 24, generator=gen)
+    table[1999 - where] *= 20.0
+    bias = torch.randn(2000, generator=gen)
+    bias[where] = -50.0
+    with pytest.MonkeyPatch.context() as patch:
+        if programs is not None:
+            patch.setattr(scales, "MAX_BOUND_PROGRAMS", programs)
+        got = _maxima(projection_bounds(tokens.to(DEVICE), table.to(DEVICE), bias.to(DEVICE), tokens.to(DEVICE),
+                                        None, None))  # fmt: skip
+    want = [_float64_norm_max(tokens), _float64_norm_max(table), 50.0, 0.0, 0.0, 0.0]
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_bound_tensors_start_from_zero(storage):
+    """The bound launches fold atomic maxima into the tensors they are given (Z̃'s and dZ̃'s), which must start at
+    zero whatever memory they get: with every fp32 tensor torch.empty returns first filled with 10^30, the output
+    and the gradients still match float64."""
     clipped = {"kind": "clipped", "min": -3, "max": 3}
     spec = relgen.load_spec({"name": "slots", "terms": ["query", "key"], "map": clipped})
     inputs = make_inputs(spec, b=1, h=2, nq=16, d=16, dtype=torch.float16, device=DEVICE, seed=2)

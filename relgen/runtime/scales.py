@@ -12,10 +12,11 @@ Each buffer has an upper bound β on |entry| that follows from the inputs alone:
   at most Nq·β_Q (it sums over up to Nq queries).
 
 `projection_bounds` (for Z̃) and the backward's preprocessing kernel (for dZ̃) compute the maxima in one launch
-each, with PARTIALS programs: each writes its partial maxima to its own slot of a [factors, PARTIALS] tensor, so the
-tensor needs no zeroing launch and the result no atomics (nor depends on the programs' order); each kernel that
-reads a bound takes the maximum of the slots itself (`partial_max`), turns the maxima into β and β into the scale
-with `pow2_scales`:
+each, over a grid wide enough to stream q, k (or dO and V) at the device's bandwidth: each program reduces its
+share of the rows on chip and folds its maxima into a zeroed [factors] tensor with one atomic maximum per factor.
+A maximum of non-negative fp32 numbers does not depend on the order its operands arrive in, so the result is the
+same bits whatever the programs' order (the backward stays bitwise deterministic). Each kernel that reads a bound
+loads the maxima, turns them into β and β into the scale with `pow2_scales`:
 2^-s is the largest power of two with β·2^-s ≤ STORE_LIMIT = 65248 = 65504 − 256, fp16's largest number less
 a margin for the rounding of the bound itself (an fp32 sum over d terms: relative 10⁻⁵ at d = 256). Writers
 multiply by 2^-s before the fp16 store, readers by 2^s after the load: multiplications by powers of two, exact.
@@ -32,6 +33,8 @@ whatever the storage; s is clamped to [−100, 114] so that 2^±s stay normal fp
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from relgen.backend import configure_triton
@@ -46,14 +49,13 @@ from relgen.tiles.configs import head_block  # noqa: E402
 
 #: the most a scaled entry may reach: fp16's largest number 65504 less 256 (0.4 %)
 STORE_LIMIT = tl.constexpr(65248.0)
-#: programs of a bound launch, hence slots per factor of a bounds tensor. Few, because every kernel that reads a
-#: bound reduces them (sm_90 compile of Shaw's backward: 256 slots spill 84 B in the query pass, 64 spill 12 B),
-#: each reading large blocks (_BLOCK_ELEMENTS, BOUND_WARPS) so that the 64 stream q, k or V at full bandwidth
-PARTIALS = tl.constexpr(64)
-#: elements (rows × padded head dim) each program of a bound launch reads at a time
-_BLOCK_ELEMENTS = 16384
-#: warps of a bound launch's programs: 64 fp32 registers a thread for a block of _BLOCK_ELEMENTS
-BOUND_WARPS = 8
+#: elements (rows × padded head dim) each program of a bound launch reads at a time: 32 fp32 values a thread with
+#: _BOUND_WARPS warps, so that many programs fit on each SM and keep enough loads in flight
+_BLOCK_ELEMENTS = 4096
+_BOUND_WARPS = 4
+#: most programs of a bound launch (each then loops over several blocks), which bounds the atomic maxima that meet
+#: at one address: 1,024 programs a factor at 16K tokens of 12 heads (3,072 blocks) and beyond
+MAX_BOUND_PROGRAMS = 1024
 
 
 @triton.jit
@@ -73,18 +75,12 @@ def pow2_scales(bound):
 
 
 @triton.jit
-def partial_max(BOUNDS, factor):
-    """One factor of a bound: the maximum of its PARTIALS programs' partial maxima (row `factor` of BOUNDS)."""
-    return tl.max(tl.load(BOUNDS + factor * PARTIALS + tl.arange(0, PARTIALS)), 0)
-
-
-@triton.jit
 def row_norms(x):
     """‖x_t‖₂ of each row of an fp32 block [BT, BD]. Each row is scaled by its largest magnitude before it is
     squared, so that no bf16 row's norm overflows fp32."""
     x = tl.abs(x)
     top = tl.max(x, 1)
-    unit = x / tl.where(top > 0, top, 1.0)[:, None]
+    unit = x * (1.0 / tl.where(top > 0, top, 1.0))[:, None]  # a reciprocal a row, not a division an entry
     return top * tl.sqrt(tl.sum(unit * unit, 1))
 
 
@@ -106,7 +102,7 @@ def max_row_norm(
 
 
 @triton.jit
-def _side_partials(
+def _side_maxima(
     OUT,
     X,
     sx_b,
@@ -127,10 +123,10 @@ def _side_partials(
     BT: tl.constexpr,
     BT_B: tl.constexpr,
 ):
-    """This program's partial maxima of ‖x_t‖ (tokens), ‖a_r‖ (rows [a_rows, D]) and |b_r| to OUT[0..2, pid]."""
-    tl.store(OUT + pid, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT))
-    tl.store(OUT + PARTIALS + pid, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
-    tl.store(OUT + 2 * PARTIALS + pid, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
+    """Fold this program's maxima of ‖x_t‖ (tokens), ‖a_r‖ (rows [a_rows, D]) and |b_r| into OUT[0..2]."""
+    tl.atomic_max(OUT, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT))
+    tl.atomic_max(OUT + 1, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
+    tl.atomic_max(OUT + 2, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
 
 
 @Launcher
@@ -166,11 +162,11 @@ def _projection_bounds_kernel(
     BT: tl.constexpr,
     BT_B: tl.constexpr,
 ):
-    """OUT [6, PARTIALS]: this program's partial maxima of ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| (0 for none)."""
+    """OUT [6] (zeroed): max ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| over this program's share of the rows."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    _side_partials(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
+    _side_maxima(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
                    D, BD, BT, BT_B)  # fmt: skip
-    _side_partials(OUT + 3 * PARTIALS, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid,
+    _side_maxima(OUT + 3, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid,
                    programs, D, BD, BT, BT_B)  # fmt: skip
 
 
@@ -182,31 +178,46 @@ def projection_bounds(
     ak: torch.Tensor | None,
     bk: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The factors of the bounds on |Z̃^Q| and |Z̃^K|: a [6, PARTIALS] fp32 tensor whose rows hold the partial
-    maxima of ‖q_t‖, ‖a^Q_r‖, |b^Q_r|, ‖k_t‖, ‖a^K_r‖, |b^K_r| (a side without a table: q or k not read, all 0).
-    q, k: [B, H, N, d] or packed [total, H, d] tokens, read through their strides (no copy); aq, ak: a table's rows
-    [rows, d]; bq, bk: vectors. One launch, no zeroing, no synchronisation."""
-    out = torch.empty((6, PARTIALS.value), device=q.device, dtype=torch.float32)
+    """The factors of the bounds on |Z̃^Q| and |Z̃^K|: a [6] fp32 tensor of max ‖q_t‖, ‖a^Q_r‖, |b^Q_r|, ‖k_t‖,
+    ‖a^K_r‖, |b^K_r| (a side without a table: q or k not read, all 0). q, k: [B, H, N, d] or packed [total, H, d]
+    tokens, read through their strides (no copy); aq, ak: a table's rows [rows, d]; bq, bk: vectors. One launch
+    after a zeroing, no synchronisation."""
+    out = torch.zeros(6, device=q.device, dtype=torch.float32)
     d = q.shape[-1]
     block_d = head_block(d)
-    _projection_bounds_kernel[(PARTIALS.value,)](
-        out, *_side(q, aq, bq, out), *_side(k, ak, bk, out),
-        D=d, BD=block_d, BT=_BLOCK_ELEMENTS // block_d, BT_B=_BLOCK_ELEMENTS, num_warps=BOUND_WARPS,
-    )  # fmt: skip
+    rows = _BLOCK_ELEMENTS // block_d
+    sides = _side(q, aq, bq, out), _side(k, ak, bk, out)
+    most = max(n for side in sides for n in (side.x_rows, side.a_rows))  # a bias vector has no more rows than its table
+    programs = min(max(triton.cdiv(most, rows), 1), MAX_BOUND_PROGRAMS)
+    _projection_bounds_kernel[(programs,)](
+        out, *sides[0], *sides[1], D=d, BD=block_d, BT=rows, BT_B=_BLOCK_ELEMENTS, num_warps=_BOUND_WARPS
+    )
     return out
 
 
-def _side(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
-    """One side's arguments of _projection_bounds_kernel: no rows to read where the side has no table."""
+class _Side(NamedTuple):
+    """One side's arguments of _projection_bounds_kernel, in its order."""
+
+    x: torch.Tensor
+    sx_b: int
+    sx_h: int
+    sx_n: int
+    heads: int
+    tokens: int
+    x_rows: int
+    a: torch.Tensor
+    sa: int
+    a_rows: int
+    b: torch.Tensor
+    b_rows: int
+
+
+def _side(x: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, dummy: torch.Tensor) -> _Side:
+    """One side's arguments: no rows to read where the side has no table."""
     if a is None:
-        return (dummy, 0, 0, 0, 1, 1, 0, dummy, 0, 0, dummy, 0)
+        return _Side(dummy, 0, 0, 0, 1, 1, 0, dummy, 0, 0, dummy, 0)
     bias = (b, b.shape[0]) if b is not None else (dummy, 0)
-    return (x, *token_rows(x), a, a.stride(0), a.shape[0], *bias)
-
-
-def block_rows(head_dim: int) -> int:
-    """Rows a program of a bound launch reads at a time, for rows of head_dim entries."""
-    return _BLOCK_ELEMENTS // head_block(head_dim)
+    return _Side(x, *token_rows(x), a, a.stride(0), a.shape[0], *bias)
 
 
 def token_rows(x: torch.Tensor) -> tuple[int, int, int, int, int, int]:
