@@ -53,8 +53,8 @@ STORE_LIMIT = tl.constexpr(65248.0)
 #: _BOUND_WARPS warps, so that many programs fit on each SM and keep enough loads in flight
 _BLOCK_ELEMENTS = 4096
 _BOUND_WARPS = 4
-#: most programs of a bound launch (each then loops over several blocks), which bounds the atomic maxima that meet
-#: at one address: 1,024 programs a factor at 16K tokens of 12 heads (3,072 blocks) and beyond
+#: most programs of a bound launch (beyond, each loops over several blocks): it bounds the atomic maxima that meet
+#: at one address (16K tokens of 12 heads at d = 64 are 3,072 blocks, three a program)
 MAX_BOUND_PROGRAMS = 1024
 
 
@@ -165,9 +165,9 @@ def _projection_bounds_kernel(
     """OUT [6] (zeroed): max ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| over this program's share of the rows."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     _side_maxima(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
-                   D, BD, BT, BT_B)  # fmt: skip
-    _side_maxima(OUT + 3, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid,
-                   programs, D, BD, BT, BT_B)  # fmt: skip
+                 D, BD, BT, BT_B)  # fmt: skip
+    _side_maxima(OUT + 3, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid, programs,
+                 D, BD, BT, BT_B)  # fmt: skip
 
 
 def projection_bounds(
