@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import LOG_QUERY_KEY, SPECS, load, make_inputs, spec_id
-from tiers import SLOW, slow_values
+from tiers import SLOW
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -87,7 +87,8 @@ def assert_same_bits(spec_name, inputs, backend=None, **options):
     assert_equal_bits(got, want, spec_id(spec_name), names)
 
 
-@pytest.mark.parametrize("name", slow_values(COMPILE_SPECS, fast=["t5_decoder"]), ids=spec_id)
+@SLOW
+@pytest.mark.parametrize("name", COMPILE_SPECS, ids=spec_id)
 def test_compiled_call_gives_the_eager_bits(name):
     inputs = make_inputs(load(name), b=2, h=2, nq=40, nk=40, d=16, device=DEVICE, seed=3)
     assert_same_bits(name, inputs)

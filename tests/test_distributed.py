@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiers import SLOW
+from tiers import SLOW, slow_values
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 16
@@ -253,7 +253,7 @@ def test_a_ring_of_one_is_the_unsharded_call_bit_for_bit():
 
 
 @INTERPRETED
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", slow_values([False, True], slow=[True]))
 def test_a_ring_of_one_keeps_its_projections_and_merges_nothing(monkeypatch, recompute):
     """One contiguous chunk is one pair: its forward's output is the ring's (no merge), and its backward reuses the
     forward's projections as the plain call does (recompute_projections=True: formed again, as the plain call's),
@@ -286,7 +286,7 @@ def test_a_ring_of_one_keeps_its_projections_and_merges_nothing(monkeypatch, rec
 
 
 @INTERPRETED
-@pytest.mark.parametrize("terms", [["query"], ["query", "key"]])
+@pytest.mark.parametrize("terms", slow_values([["query"], ["query", "key"]], slow=[["query", "key"]]))
 def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, terms):
     """Clipped at ±3, every query's window is the whole expansion (W = C = 7): a query chunk's Z̃^Q is the same
     for each key chunk, and the backward forms it once per query chunk (two of zigzag's four pairs), where the spec
@@ -313,6 +313,7 @@ def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, ter
     assert len(formed) == (2 if terms == ["query"] else 4)
 
 
+@SLOW
 @INTERPRETED
 def test_a_ring_of_one_in_zigzag_chunks_with_offsets_and_unequal_lengths():
     """Two chunks of queries (16 from position 16) against two chunks of keys (32 from 0): four chunk pairs, each
@@ -399,6 +400,7 @@ def test_merging_chunk_partials_gives_the_softmax_over_every_key(cuts, seed, hid
     assert torch.all(o[1] == 0) and lse2[1] == float("-inf")
 
 
+@SLOW
 @INTERPRETED
 def test_a_ring_of_one_in_zigzag_chunks_draws_the_unsharded_dropout_mask():
     """Four chunk pairs at their own offsets (keys from position 2: no chunk starts on a multiple of eight) draw

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_layouts import layout_inputs
-from tiers import slow_values
+from tiers import SLOW, slow_values
 
 import relgen
 from relgen import reference
@@ -72,7 +72,7 @@ def compare(spec, inputs: Inputs, dtype=None, keep_mask=None, oracle=reference.a
 #: the fast tier keeps one case of each feature
 MATCHED_SLOW = [
     ("txl", 30, 61), ("shaw", 45, 20), ("deberta_v3", 30, 61), ("txl_uv", 37, 37), ("wav2vec2_bert", 33, 29),
-    ("t5_decoder", 40, 40), ("txl", 17, 1),
+    ("t5_decoder", 40, 40), ("txl", 17, 1), (SATURATING, 40, 33),
 ]  # fmt: skip
 
 
@@ -121,6 +121,7 @@ def test_a_single_column_map():
     assert_all_close(compare(spec, inputs), "C = 1")
 
 
+@SLOW
 def test_padding_dropout_and_offsets():
     spec = spec_of(SATURATING)
     b, h, n, p, seed = 2, 2, 37, 0.25, 5
@@ -143,7 +144,8 @@ def test_offsets_on_the_identity_map(name, causal):
     assert_all_close(compare(spec, inputs, q_offset=5, k_offset=9), f"{name} causal={causal} offsets 5, 9")
 
 
-@pytest.mark.parametrize("name", slow_values(["txl_uv", "deberta_v3"], slow=["deberta_v3"]))
+@SLOW
+@pytest.mark.parametrize("name", ["txl_uv", "deberta_v3"])
 def test_grouped_query_attention_in_bnhd(monkeypatch, name):
     spec = spec_of(name)
     monkeypatch.setattr(in_tile(spec), "_END_CHUNK", 7)  # the end columns' gradients summed over chunks of tokens
@@ -176,6 +178,7 @@ def test_half_precision(name):
 
 
 # -- determinism and memory ------------------------------------------------------------------------------------
+@SLOW
 def test_backward_is_bitwise_deterministic():
     spec = spec_of(SATURATING)
     inputs = make_inputs(spec, b=2, h=2, nq=45, nk=38, d=16, device=DEVICE, seed=9)

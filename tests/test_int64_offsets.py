@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import Inputs, assert_all_close, compare
+from tiers import slow_values
 
 import relgen
 from relgen.runtime import arguments
@@ -118,7 +119,7 @@ def spread_inputs(spec_name, shape, strides, dtype):
     ],
     ids=["batch_stride", "token_stride"],
 )
-@pytest.mark.parametrize("spec_name", ["txl", "shaw"])
+@pytest.mark.parametrize("spec_name", slow_values(["txl", "shaw"], slow=["shaw"]))
 def test_offsets_past_int32_in_the_interpreter(spec_name, shape, strides):
     spec, inputs = spread_inputs(spec_name, shape, strides, torch.float16)
     assert tensor_reach(inputs.q) > INT32_REACH

@@ -203,6 +203,7 @@ def test_patched_attention_matches_float64(mha, padding, sdpa):
     assert not failures, "\n".join(failures)
 
 
+@SLOW
 def test_layers_handed_one_mask_read_it_once(mha, monkeypatch):
     """An encoder's layers share its mask: the first layer reads it (a wait for the GPU), the others reuse that
     reading, each still exact; a mask changed in place, or a new one, is read again, and so is an inference-mode
@@ -346,7 +347,11 @@ LIMITED = [  # att_context_size [left, right] ("regular"; −1: unlimited), padd
 ]
 
 
-@pytest.mark.parametrize(("context", "lengths", "sdpa"), LIMITED, ids=lambda case: str(case).replace(" ", ""))
+@pytest.mark.parametrize(
+    ("context", "lengths", "sdpa"),
+    slow_values(LIMITED, slow=[LIMITED[1], LIMITED[3]]),
+    ids=lambda case: str(case).replace(" ", ""),
+)
 def test_limited_context_matches_float64(mha, context, lengths, sdpa):
     """A limited att_context_size runs on relgen's local window, with NeMo's padding on top: outputs (padded rows
     too), dx and every parameter's gradient against NeMo's own code in float64, on the mask its encoder builds."""

@@ -328,7 +328,8 @@ def test_grouped_query_attention_with_packed_sequences():
     assert_all_close(compare(spec, packed, cu_seqlens=cu, max_seqlen=21), "packed, H=4, H_kv=2")
 
 
-@pytest.mark.parametrize("split", slow_values([1, 2, 4], fast=[4]))
+@SLOW
+@pytest.mark.parametrize("split", [1, 2, 4])
 def test_grouped_query_key_pass_split_over_programs(split):
     """A group's heads over `split` key-pass programs (AttnTiles.group_split; their fp32 dK and dV added by the
     host), packed and with dropout: the reference's gradients, the same bits on a second backward, and one

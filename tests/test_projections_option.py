@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_cases import assert_all_close, compare, load, make_inputs
-from tiers import slow_values
+from tiers import SLOW, slow_values
 from torch._dynamo.backends.debugging import aot_eager
 
 import relgen
@@ -100,6 +100,7 @@ def test_both_strategies_match_the_reference(name, strategy, dtype):
     assert_all_close(compare(spec, inputs, projections=strategy), f"{name} {strategy}")
 
 
+@SLOW
 def test_tiled_keeps_recompute_projections_and_options():
     """recompute_projections keeps its meaning (nothing is stored to recompute: the same results); a key padding
     mask and offsets reach the in-tile kernels."""
@@ -113,7 +114,8 @@ def test_tiled_keeps_recompute_projections_and_options():
         assert_all_close(results, f"recompute_projections={recompute}")
 
 
-@pytest.mark.parametrize("layout", slow_values(["bhnd", "bnhd"], slow=["bhnd"]))
+@SLOW
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_tiled_serves_grouped_heads_layouts_and_dropout(layout):
     from test_layouts import layout_inputs
 
@@ -214,6 +216,7 @@ def test_auto_switches_at_the_budget(monkeypatch):
     assert spy.ran() == "stored"  # a forced strategy whatever the budget
 
 
+@SLOW
 def test_auto_budgets_the_layers_together(monkeypatch):
     """`layers=L` (a model's layers in training, each keeping its forward's buffers until its backward): stored
     while L forwards' bytes and one backward's on top fit; below that, stored with the projections recomputed in

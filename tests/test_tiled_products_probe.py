@@ -47,7 +47,7 @@ def inputs(b, h, n, d, dtype, seed=0):
 # that the table gradient sums over the batch
 CASES = slow_values(
     [(16, torch.float32), (37, torch.float32), (64, torch.float32), (130, torch.float32), (67, torch.float16)],
-    fast=[(16, torch.float32), (67, torch.float16)],
+    fast=[(16, torch.float32)],
 )
 CAUSAL = slow_values([False, True], slow=[True])
 

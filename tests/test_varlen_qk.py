@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import Inputs, assert_all_close, compare, load
+from tiers import SLOW
 
 import relgen
 from relgen import reference
@@ -106,6 +107,7 @@ def test_separate_packing_matches_reference(case):
     assert_all_close(compare(spec, inputs, **options), f"{_id(case)} lq={lq} lk={lk}")
 
 
+@SLOW
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=3).filter(
@@ -123,6 +125,7 @@ def test_random_lengths_and_padded_maxima_match_reference(lengths, extra):
     assert_all_close(compare(spec, inputs, **packing(lq, lk, max_q, max_k)), f"lq={lq} lk={lk} max={max_q},{max_k}")
 
 
+@SLOW
 def test_dropout_lse_and_layouts():
     """Dropout draws the mask the testing helper regenerates for [S, H, max_seqlen_q, max_seqlen_k] (sequence s
     using its top-left [Lq, Lk] block); LSE is [total_q, H], −inf for a query without keys; packed tensors ignore
@@ -165,6 +168,7 @@ def test_unproven_map_is_planned_for_the_offsets_packed_calls_reach():
     assert_all_close(compare(spec, inputs, **options), "unproven map, Lk = 70")
 
 
+@SLOW
 def test_offset_path_backward_is_deterministic():
     """Two identical backward passes of a packed call with separate packing give the same bits."""
     spec = load("shaw")
@@ -174,6 +178,7 @@ def test_offset_path_backward_is_deterministic():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+@SLOW
 def test_equal_packing_through_either_name_is_the_same_call():
     """cu_seqlens_q = cu_seqlens_k = cu is what cu_seqlens = cu stands for: the same bits, the same gradients."""
     spec = load("t5")

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_cases import assert_all_close, compare, make_inputs
 from test_layouts import layout_inputs
+from tiers import SLOW, slow_values
 
 import relgen
 from relgen.runtime.arguments import reach
@@ -41,18 +42,21 @@ def _id(case) -> str:
 
 
 # -- the kernels against the reference ---------------------------------------------------------------------------
+WINDOWED = [
+    ("shaw", 5, 0, False, 40, 40, 0, 0),  # a window smaller than a tile
+    ("shaw", 20, 7, True, 33, 21, 5, 9),  # causal bounds the right side; offsets
+    ("txl", 2, 1, False, 40, 40, 0, 0),  # identity map: only the window's 4 offsets are expanded
+    ("txl", None, 3, False, 33, 21, 5, 9),  # left unbounded
+    ("txl_uv", 9, None, False, 37, 37, 0, 0),  # right unbounded
+    ("t5_decoder", 9, None, None, 40, 40, 0, 0),  # bias only, causal spec
+    ("wav2vec2_bert", 100, 100, None, 29, 29, 0, 0),  # a window wider than N: as without one
+    (ATOMIC, 6, 4, False, 40, 40, 3, 0),  # the atomic path
+]
+
+
 @pytest.mark.parametrize(
     ("base", "left", "right", "causal", "nq", "nk", "q_offset", "k_offset"),
-    [
-        ("shaw", 5, 0, False, 40, 40, 0, 0),  # a window smaller than a tile
-        ("shaw", 20, 7, True, 33, 21, 5, 9),  # causal bounds the right side; offsets
-        ("txl", 2, 1, False, 40, 40, 0, 0),  # identity map: only the window's 4 offsets are expanded
-        ("txl", None, 3, False, 33, 21, 5, 9),  # left unbounded
-        ("txl_uv", 9, None, False, 37, 37, 0, 0),  # right unbounded
-        ("t5_decoder", 9, None, None, 40, 40, 0, 0),  # bias only, causal spec
-        ("wav2vec2_bert", 100, 100, None, 29, 29, 0, 0),  # a window wider than N: as without one
-        (ATOMIC, 6, 4, False, 40, 40, 3, 0),  # the atomic path
-    ],
+    slow_values(WINDOWED, slow=[WINDOWED[1], WINDOWED[4], WINDOWED[6]]),
     ids=lambda case: _id(case) if isinstance(case, str | dict) else None,
 )
 def test_window_matches_the_reference(base, left, right, causal, nq, nk, q_offset, k_offset):
@@ -65,6 +69,7 @@ def test_window_matches_the_reference(base, left, right, causal, nq, nk, q_offse
     assert_all_close(results, f"{_id(base)} window [{left}, {right}] causal={causal}")
 
 
+@SLOW
 def test_window_with_padding_dropout_and_a_row_without_keys():
     spec = windowed("deberta_v3", 3, 2)
     b, h, n, p, seed = 2, 2, 37, 0.25, 5
@@ -76,6 +81,7 @@ def test_window_with_padding_dropout_and_a_row_without_keys():
     assert_all_close(results, "deberta_v3 window with padding and dropout")
 
 
+@SLOW
 def test_query_whose_window_holds_no_key_gives_zero():
     spec = windowed("shaw", 4, 0)
     inputs = make_inputs(spec, b=1, h=2, nq=20, nk=20, d=16, device=DEVICE, seed=1)
@@ -84,6 +90,7 @@ def test_query_whose_window_holds_no_key_gives_zero():
     assert torch.all(out[:, :, :10] == 0)  # query i sees keys i − 4 … i, all before the first key (position 10)
 
 
+@SLOW
 def test_window_on_packed_sequences():
     spec = windowed("txl", 6, 2)
     lengths = [5, 33, 1, 20]
@@ -99,12 +106,14 @@ def test_window_on_packed_sequences():
     assert_all_close(compare(spec, inputs, cu_seqlens=cu, max_seqlen=longest), "txl window packed")
 
 
+@SLOW
 def test_window_with_grouped_query_attention_in_bnhd():
     spec = windowed({"name": "qk", "terms": ["query", "key"], "map": {"kind": "clipped", "min": -8, "max": 6}}, 7, 3)
     inputs = layout_inputs(spec, b=1, h=4, h_kv=2, nq=35, nk=35, layout="bnhd", seed=6)
     assert_all_close(compare(spec, inputs, layout="bnhd"), "window, GQA 2, bnhd")
 
 
+@SLOW
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     left=st.one_of(st.none(), st.integers(0, 24)),
@@ -166,6 +175,7 @@ def test_plan_expands_only_the_window_and_skips_the_tiles_outside_it():
     assert "local_window=[0, 64]" in local.summary()
 
 
+@SLOW
 def test_a_window_inside_the_clipping_makes_no_tma_descriptors(monkeypatch):
     """Shaw's 32K benchmark call in small: a window [0, 5] inside the clipping at ±5 leaves no saturated tile, so the
     forward makes no K/V descriptors (host time per launch on the H200) even where they are forced; without the
