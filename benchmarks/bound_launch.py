@@ -1,11 +1,12 @@
 """The fp16 storage's bound launch alone (`relgen.runtime.scales.projection_bounds`) on a GPU, over its launch
-constants: the most programs (`MAX_BOUND_PROGRAMS`), the elements a program reads at a time (`_BLOCK_ELEMENTS`) and
-its warps (`_BOUND_WARPS`). The problem is the benchmark's: 16K tokens of H heads and head dim d in fp16 ([B, H, N, d]
-with B·N = tokens), with a table of 2·256 + 1 rows per head on the query side (Shaw's clipped map at ±256) and, with
-`--sides qk`, on the key side too (DeBERTa's two terms).
+constants: the most programs (`MAX_BOUND_PROGRAMS`), the elements a program reads at a time (`_BLOCK_ELEMENTS`), its
+warps (`_BOUND_WARPS`) and the memory order of its atomic maxima (`_ATOMIC_SEM`). The problem is the benchmark's:
+16K tokens of H heads and head dim d in fp16 ([B, H, N, d] with B·N = tokens), with a table of 2·256 + 1 rows per
+head on the query side (Shaw's clipped map at ±256) and, with `--sides qk`, on the key side too (DeBERTa's two
+terms).
 
     python benchmarks/bound_launch.py [--tokens 16384] [--heads 12] [--head-dim 64] [--sides q|qk]
-        [--programs 132,264,528,1024,4096] [--elements 2048,4096,8192,16384] [--warps 4,8]
+        [--programs 132,264,528,1024,4096] [--elements 2048,4096,8192,16384] [--warps 4,8] [--sems acq_rel,relaxed]
 
 Prints one JSON line per variant: the launch's CUDA time (`triton.testing.do_bench` median, L2 flushed, the
 zeroing of the [6] tensor included), the bytes it reads and the bandwidth they make; every variant's maxima are
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--programs", type=_ints, default=[132, 264, 528, 1024, 4096])
     parser.add_argument("--elements", type=_ints, default=[2048, 4096, 8192, 16384])
     parser.add_argument("--warps", type=_ints, default=[4, 8])
+    parser.add_argument("--sems", type=lambda text: text.split(","), default=["acq_rel", "relaxed"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bound_launch.py times a GPU launch: no CUDA device")
@@ -51,17 +53,21 @@ def main() -> None:
     read = q.numel() * 2 + aq.numel() * 2 + (k.numel() * 2 + ak.numel() * 2 if ak is not None else 0)
     want = scales.projection_bounds(*operands)
 
-    defaults = {name: getattr(scales, name) for name in ("MAX_BOUND_PROGRAMS", "_BLOCK_ELEMENTS", "_BOUND_WARPS")}
+    names = ("MAX_BOUND_PROGRAMS", "_BLOCK_ELEMENTS", "_BOUND_WARPS", "_ATOMIC_SEM")
+    defaults = {name: getattr(scales, name) for name in names}
     try:
-        for programs, elements, warps in itertools.product(args.programs, args.elements, args.warps):
+        variants = itertools.product(args.programs, args.elements, args.warps, args.sems)
+        for programs, elements, warps, sem in variants:
             scales.MAX_BOUND_PROGRAMS, scales._BLOCK_ELEMENTS, scales._BOUND_WARPS = programs, elements, warps
+            scales._ATOMIC_SEM = sem
             got = scales.projection_bounds(*operands)
             if not torch.allclose(got, want, rtol=1e-6, atol=0.0):
-                raise SystemExit(f"programs={programs} elements={elements} warps={warps}: maxima {got} != {want}")
+                raise SystemExit(f"programs={programs} elements={elements} warps={warps} sem={sem}: maxima {got} "
+                                 f"!= {want}")  # fmt: skip
             ms = triton.testing.do_bench(lambda: scales.projection_bounds(*operands), warmup=25, rep=200,
                                          return_mode="median")  # fmt: skip
             record = {"tokens": args.tokens, "heads": h, "head_dim": d, "sides": args.sides, "max_programs": programs,
-                      "block_elements": elements, "warps": warps, "us": ms * 1e3, "bytes": read,
+                      "block_elements": elements, "warps": warps, "sem": sem, "us": ms * 1e3, "bytes": read,
                       "tb_per_s": read / (ms * 1e-3) / 1e12}  # fmt: skip
             print(json.dumps(record), flush=True)
     finally:

@@ -56,6 +56,9 @@ _BOUND_WARPS = 4
 #: most programs of a bound launch (beyond, each loops over several blocks): it bounds the atomic maxima that meet
 #: at one address (16K tokens of 12 heads at d = 64 are 3,072 blocks, three a program)
 MAX_BOUND_PROGRAMS = 1024
+#: memory order of the programs' atomic maxima: only later launches read the maxima, and a launch boundary orders
+#: every write before them, so the atomics need no fence of their own
+_ATOMIC_SEM = "acq_rel"
 
 
 @triton.jit
@@ -122,11 +125,12 @@ def _side_maxima(
     BD: tl.constexpr,
     BT: tl.constexpr,
     BT_B: tl.constexpr,
+    SEM: tl.constexpr,
 ):
     """Fold this program's maxima of ‖x_t‖ (tokens), ‖a_r‖ (rows [a_rows, D]) and |b_r| into OUT[0..2]."""
-    tl.atomic_max(OUT, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT))
-    tl.atomic_max(OUT + 1, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT))
-    tl.atomic_max(OUT + 2, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B))
+    tl.atomic_max(OUT, max_row_norm(X, sx_b, sx_h, sx_n, HX, NX, x_rows, pid, programs, D, BD, BT), sem=SEM)
+    tl.atomic_max(OUT + 1, max_row_norm(A, 0, 0, sa, 1, a_rows, a_rows, pid, programs, D, BD, BT), sem=SEM)
+    tl.atomic_max(OUT + 2, max_row_norm(B, 0, 0, 1, 1, b_rows, b_rows, pid, programs, 1, 1, BT_B), sem=SEM)
 
 
 @Launcher
@@ -161,13 +165,14 @@ def _projection_bounds_kernel(
     BD: tl.constexpr,
     BT: tl.constexpr,
     BT_B: tl.constexpr,
+    SEM: tl.constexpr,
 ):
     """OUT [6] (zeroed): max ‖q‖, ‖a^Q‖, |b^Q|, ‖k‖, ‖a^K‖, |b^K| over this program's share of the rows."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     _side_maxima(OUT, Q, sq_b, sq_h, sq_n, HQ, NQ, q_rows, AQ, saq, aq_rows, BQ, bq_rows, pid, programs,
-                 D, BD, BT, BT_B)  # fmt: skip
+                 D, BD, BT, BT_B, SEM)  # fmt: skip
     _side_maxima(OUT + 3, K, sk_b, sk_h, sk_n, HK, NK, k_rows, AK, sak, ak_rows, BK, bk_rows, pid, programs,
-                 D, BD, BT, BT_B)  # fmt: skip
+                 D, BD, BT, BT_B, SEM)  # fmt: skip
 
 
 def projection_bounds(
@@ -189,9 +194,8 @@ def projection_bounds(
     sides = _side(q, aq, bq, out), _side(k, ak, bk, out)
     most = max(n for side in sides for n in (side.x_rows, side.a_rows))  # a bias vector has no more rows than its table
     programs = min(max(triton.cdiv(most, rows), 1), MAX_BOUND_PROGRAMS)
-    _projection_bounds_kernel[(programs,)](
-        out, *sides[0], *sides[1], D=d, BD=block_d, BT=rows, BT_B=_BLOCK_ELEMENTS, num_warps=_BOUND_WARPS
-    )
+    constexprs = {"D": d, "BD": block_d, "BT": rows, "BT_B": _BLOCK_ELEMENTS, "SEM": _ATOMIC_SEM}
+    _projection_bounds_kernel[(programs,)](out, *sides[0], *sides[1], **constexprs, num_warps=_BOUND_WARPS)
     return out
 
 
