@@ -18,7 +18,7 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
-from relgen.runtime.scales import max_row_norm, pow2_scales, projection_bounds, row_norms, token_rows
+from relgen.runtime.scales import max_row_norm, pow2_scales, projection_bounds, row_norms, token_rows, unlifted_scales
 
 SPEC_NAME = "deberta_v3"
 SPEC_HASH = "94806578d772608e"
@@ -500,11 +500,12 @@ def _ends(E, offs, ok, up):
 @triton.jit
 def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
     """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
-    hold Z̃·2^-s, s from the bound max‖x‖·max‖a‖ + max|b| whose factors relgen.runtime.projection_bounds wrote to
-    BOUNDS before the projections ran; fp32 ones hold Z̃ itself."""
+    hold Z̃·2^-s, s ≥ 0 from the bound max‖x‖·max‖a‖ + max|b| whose factors relgen.runtime.projection_bounds wrote
+    to BOUNDS before the projections ran (s = 0 unless the bound exceeds fp16's range, and for a side without a
+    table, whose factors are 0); fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
         side: tl.constexpr = 0 if SIGN == 1 else 3
-        return pow2_scales(tl.load(BOUNDS + side) * tl.load(BOUNDS + side + 1) + tl.load(BOUNDS + side + 2))
+        return unlifted_scales(tl.load(BOUNDS + side) * tl.load(BOUNDS + side + 1) + tl.load(BOUNDS + side + 2))
     else:
         return 1.0, 1.0
 
@@ -590,6 +591,21 @@ def _transpose_if(x, COND: tl.constexpr):
 
 
 @triton.jit
+def _stored(z, up, SKIP_UNIT: tl.constexpr):
+    """Entries read from Z̃ as fp32 values of Z̃: times the buffer's 2^s. SKIP_UNIT (the forward): not where the call
+    stores Z̃ as it is (s = 0, _z_scales, as for every input whose bound fits fp16), a branch the whole program
+    takes alike that spares each band score a multiplication. The backward passes multiply: in their tighter
+    registers the branch spills more than the multiplication costs (sm_90, DeBERTa, benchmarks/compile_check.py)."""
+    z = z.to(tl.float32)
+    if SKIP_UNIT:
+        if up != 1.0:
+            z = z * up
+    else:
+        z = z * up
+    return z
+
+
+@triton.jit
 def _score_tile(
     queries: QueryTile,
     keys: KeyTile,
@@ -603,10 +619,11 @@ def _score_tile(
     MASKED: tl.constexpr,
     KEY_MAJOR: tl.constexpr,
     CLIP: tl.constexpr,
+    SKIP_UNIT: tl.constexpr,
 ):
     """(x, c): the tile's scores S·log2(e) are x·qk_scale + c, with c one number per query (or 0). A saturated
     tile's per-query terms go to c, so its scores cost one FMA each in the softmax, as plain attention's do.
-    Band entries read from Z̃^Q and Z̃^K are multiplied by their storage scales (zq_up, zk_up).
+    Band entries read from Z̃^Q and Z̃^K are multiplied by their storage scales (zq_up, zk_up; SKIP_UNIT: _stored).
     The tile is [BM, BN] (queries × keys), or [BN, BM] when KEY_MAJOR. MASKED: the tile meets the causal diagonal,
     a local window's edge or the keys' end. CLIP: an edge tile reads its entries at the clipped columns
     (_clamped_run), which only the forward does (CLIP_BAND)."""
@@ -635,18 +652,16 @@ def _score_tile(
         # q_i·ã^Q_s (+ b̃_s when folded): row i's run in its window (which starts at column s0) from key j_hi on
         if CLAMP:
             rows = _along_queries(zq_bh + tl.minimum(offs_m, Nq - 1) * ZSQ, KEY_MAJOR)
-            rel = _clamped_run(rows, offs_m + (DOFF - j_hi - LOW - s0), u, WQ, KEY_MAJOR).to(tl.float32) * zq_up
+            rel = _stored(_clamped_run(rows, offs_m + (DOFF - j_hi - LOW - s0), u, WQ, KEY_MAJOR), zq_up, SKIP_UNIT)
         else:
             run = zq_bh + offs_m * (ZSQ + 1) + (DOFF - j_hi - LOW - s0)  # row i's entry for key j_hi
-            rel = (
-                _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
-                * zq_up
+            rel = _stored(
+                _band_load(_along_queries(run, KEY_MAJOR) + _along_keys(u, KEY_MAJOR), pair_ok, EDGE), zq_up, SKIP_UNIT
             )
         # k_j·ã^K_s (+ b̃_s when folded): key j's run along the queries (its window starts at column t0)
         run = zk_bh + offs_n * (ZSK - 1) + (DOFF - LOW - t0)  # key j's entry for query 0
-        zk = (
-            _band_load(_along_keys(run, KEY_MAJOR) + _along_queries(offs_m, KEY_MAJOR), pair_ok, EDGE).to(tl.float32)
-            * zk_up
+        zk = _stored(
+            _band_load(_along_keys(run, KEY_MAJOR) + _along_queries(offs_m, KEY_MAJOR), pair_ok, EDGE), zk_up, SKIP_UNIT
         )
         rel = rel + zk
         if EDGE and not CLAMP:
@@ -875,6 +890,7 @@ def _fwd_range(
             MASKED=MASKED,
             KEY_MAJOR=False,
             CLIP=CLIP_BAND,
+            SKIP_UNIT=True,
         )
         m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale + c)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far stay at zero
@@ -1199,6 +1215,7 @@ def _tile_probabilities(
         MASKED=MASKED,
         KEY_MAJOR=KEY_MAJOR,
         CLIP=False,
+        SKIP_UNIT=False,
     )
     return _probabilities(x, c, qk_scale, lse2, drop, queries.offs_m, keys.j_hi, BLOCK_N, DROPOUT, KEY_MAJOR)
 

@@ -21,9 +21,11 @@ loads the maxima, turns them into β and β into the scale with `pow2_scales`:
 a margin for the rounding of the bound itself (an fp32 sum over d terms: relative 10⁻⁵ at d = 256). Writers
 multiply by 2^-s before the fp16 store, readers by 2^s after the load: multiplications by powers of two, exact.
 
-The scale also lifts small buffers (s < 0): a buffer whose entries are all tiny (e.g. dZ̃ for a small dO) keeps
-them in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an unscaled fp16 store
-could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store would store it.
+The scale of dZ̃ also lifts small buffers (s < 0): a buffer whose entries are all tiny (e.g. dZ̃ for a small dO)
+keeps them in fp16's normal range rather than among its subnormals. Whenever β ≤ STORE_LIMIT (an unscaled fp16
+store could not overflow), s ≤ 0, and every entry is stored at least as exactly as the unscaled store would store
+it. Z̃ takes s ≥ 0 (`unlifted_scales`): ordinary inputs store it exactly as the unscaled store does, and the
+forward's band tiles, which read an entry per score, then run without the multiplication by 2^s.
 Otherwise entries keep fp16's relative error 2⁻¹¹ down to |entry| ≥ 2^-14·2^s and have an absolute error
 ≤ 2^(s−25) below, where 2^s < β/32624: an underflow of at most β·2⁻⁴⁰, against the buffer's own bound. Nothing is
 read back on the host, so calls stay capturable in CUDA graphs.
@@ -75,6 +77,15 @@ def pow2_scales(bound):
     s = tl.minimum(tl.maximum(exponent - 142, -100), 114)  # unclamped: bound·2^-s ∈ [2^15, 2^16)
     s = tl.minimum(s + (bound * _pow2(-s) > STORE_LIMIT).to(tl.int32), 114)
     return _pow2(-s), _pow2(s)
+
+
+@triton.jit
+def unlifted_scales(bound):
+    """pow2_scales with s ≥ 0: a buffer whose bound fits fp16 is stored as it is (2^0), so that its readers can
+    skip the multiplication by 2^s (Z̃, whose band entries the forward reads once per score)."""
+    down, up = pow2_scales(bound)
+    fits = bound <= STORE_LIMIT
+    return tl.where(fits, 1.0, down), tl.where(fits, 1.0, up)
 
 
 @triton.jit
