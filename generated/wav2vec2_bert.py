@@ -18,7 +18,7 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
-from relgen.runtime.scales import max_row_norm, pow2_scales, projection_bounds, row_norms, token_rows, unlifted_scales
+from relgen.runtime.scales import STORE_LIMIT, max_row_norm, pow2_scales, row_norms, token_rows, unlifted_scales
 
 SPEC_NAME = "wav2vec2_bert"
 SPEC_HASH = "2fdf5be0a3d22fbe"
@@ -413,12 +413,11 @@ def _ends(E, offs, ok, up):
 @triton.jit
 def _z_scales(BOUNDS, E, SIGN: tl.constexpr):
     """(2^-s, 2^s): how Z̃^Q (SIGN = 1) or Z̃^K (SIGN = −1) is stored. fp16 buffers (their end buffer E is fp16)
-    hold Z̃·2^-s, s ≥ 0 from the bound max‖x‖·max‖a‖ + max|b| whose factors relgen.runtime.projection_bounds wrote
-    to BOUNDS before the projections ran (s = 0 unless the bound exceeds fp16's range, and for a side without a
-    table, whose factors are 0); fp32 ones hold Z̃ itself."""
+    hold Z̃·2^-s, s ≥ 0 from the largest |entry| that the buffer's writers folded into BOUNDS[0] (Z̃^Q) or
+    BOUNDS[1] (Z̃^K): s = 0 unless it exceeds fp16's range, when the writers store the buffer again at this scale
+    (relgen.runtime.scales); fp32 ones hold Z̃ itself."""
     if E.dtype.element_ty == tl.float16:
-        side: tl.constexpr = 0 if SIGN == 1 else 3
-        return unlifted_scales(tl.load(BOUNDS + side) * tl.load(BOUNDS + side + 1) + tl.load(BOUNDS + side + 2))
+        return unlifted_scales(tl.load(BOUNDS + (0 if SIGN == 1 else 1)))
     else:
         return 1.0, 1.0
 
@@ -506,7 +505,7 @@ def _transpose_if(x, COND: tl.constexpr):
 @triton.jit
 def _stored(z, up, SKIP_UNIT: tl.constexpr):
     """Entries read from Z̃ as fp32 values of Z̃: times the buffer's 2^s. SKIP_UNIT (the forward): not where the call
-    stores Z̃ as it is (s = 0, _z_scales, as for every input whose bound fits fp16), a branch the whole program
+    stores Z̃ as it is (s = 0, _z_scales, as for every input whose Z̃ fits fp16), a branch the whole program
     takes alike that spares each band score a multiplication. The backward passes multiply: in their tighter
     registers the branch spills more than the multiplication costs (sm_90, DeBERTa, benchmarks/compile_check.py)."""
     z = z.to(tl.float32)
@@ -620,10 +619,12 @@ def _project_columns(
     """Columns [w_lo, w_hi) of Z̃ for one block of tokens x (z_rows [BT, 1]: their rows), against the window of
     head h's expanded table that starts at row `start`. The entries at the end columns C − 1 and 0 also go to the
     compact buffer end_rows [BT] × 2 (0 if the window leaves them out: written by the run starting at column 0).
-    Entries are stored times `down` = 2^-s (the buffer's storage scale, _z_scales)."""
+    Entries are stored times `down` = 2^-s (the buffer's storage scale, _z_scales). Returns the largest |entry|
+    of the block's tokens and the window's columns, as computed before the scale and the store."""
     offs_d = tl.arange(0, BLOCK_D)
     hi_col = C - 1 - start  # the end columns' places in this group's window
     lo_col = -start
+    top = tl.zeros(t_ok.shape, tl.float32)  # per token: a reduction along the columns each thread mostly holds
     if w_lo == 0:
         zero = tl.zeros(t_ok.shape, tl.float32).to(end_rows.dtype.element_ty)
         tl.store(end_rows, zero, mask=t_ok & (hi_col >= W))
@@ -639,6 +640,7 @@ def _project_columns(
         z = tl.dot(x, tl.trans(table), input_precision=PREC)
         if FOLD_BIAS:
             z += tl.load(bias_h + start + offs_w, mask=w_ok, other=0.0)[None, :]
+        top = tl.maximum(top, tl.max(tl.abs(z), 1))  # columns past W hold 0: their table rows load as 0
         z = z * down
         tl.store(z_rows + offs_w[None, :], z.to(z_rows.dtype.element_ty), mask=t_ok[:, None] & (offs_w < w_hi)[None, :])
         if (hi_col >= w0) & (hi_col < w0 + BLOCK_W) & (hi_col < W):
@@ -653,6 +655,44 @@ def _project_columns(
                 tl.sum(tl.where(offs_w[None, :] == lo_col, z, 0.0), 1).to(end_rows.dtype.element_ty),
                 mask=t_ok,
             )
+    return tl.max(tl.where(t_ok, top, 0.0), 0)  # padded tokens carry b̃ alone, which is no entry of Z̃
+
+
+@triton.jit
+def _project_own_rows(
+    x,
+    table_h,
+    bias_h,
+    z_rows,
+    end_rows,
+    t_ok,
+    start,
+    C,
+    W,
+    ZS,
+    BOUNDS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Z̃ of one block of tokens over its whole window, written by the program that reads it back (the forward's
+    Z̃^Q): as it is, or again times this block's own 2^-s where its largest |entry| exceeds fp16's range. Returns
+    the 2^s to read it with. The largest |entry| also goes to BOUNDS, the whole buffer's, from which the backward
+    writes such a buffer again at one scale before it reads it (_rescale_projections)."""
+    top = _project_columns(x, table_h, bias_h, z_rows, end_rows, t_ok, start, C, W, 0, ZS, 1.0, HEAD_DIM, BLOCK_D,
+                           BLOCK_W, FOLD_BIAS, PREC)  # fmt: skip
+    if end_rows.dtype.element_ty == tl.float16:
+        tl.atomic_max(BOUNDS, top)
+        down, up = unlifted_scales(top)
+        if top > STORE_LIMIT:  # the whole program alike; ordinary inputs never come here
+            tl.debug_barrier()
+            _project_columns(x, table_h, bias_h, z_rows, end_rows, t_ok, start, C, W, 0, ZS, down, HEAD_DIM,
+                             BLOCK_D, BLOCK_W, FOLD_BIAS, PREC)  # fmt: skip
+        return up
+    else:
+        return 1.0
 
 
 @_rt.Launcher
@@ -691,46 +731,43 @@ def _project_kernel(
     PREC: tl.constexpr,
     X_GROUP: tl.constexpr,
     INT64: tl.constexpr,
+    RESCALE: tl.constexpr,
 ):
     """One block of tokens against a run of window columns: the token tile stays on chip while Z̃ streams out.
     Z̃ has rows per query head h (its table's), read from head h // X_GROUP of X (K's under grouped-query
-    attention)."""
-    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
-    ZS, sx, st_h = _wide(ZS_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64), _wide(st_h, INT64)
-    pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = pid_bh // H, pid_bh % H
-    tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(pid_bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN)
-    Ntok = nq if SIGN == 1 else nk
-    row0 = row_q if SIGN == 1 else row_k
-    tok0 = tok_q if SIGN == 1 else tok_k
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    t_ok = offs_t < Ntok
-    start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
-    X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
-    x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
-    down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
-    # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask is
-    # constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
-    _project_columns(
-        x,
-        TABLE + h * st_h,
-        BIAS + h * sb_h,
-        Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS,
-        ENDS + (row0.to(tl.int64) + offs_t) * 2,
-        t_ok,
-        start,
-        C,
-        W,
-        pid_w * cols_per_program,
-        tl.minimum((pid_w + 1) * cols_per_program, ZS),
-        down,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_W,
-        FOLD_BIAS,
-        PREC,
-    )
+    attention). An fp16 Z̃ is written as it is, each program folding the largest |entry| it computed into
+    BOUNDS[0] (Z̃^Q) or BOUNDS[1] (Z̃^K). RESCALE (a second launch, after the first or after the forward's own
+    writes of Z̃^Q): every program returns at once unless that maximum exceeds fp16's range, and then writes its
+    entries again times 2^-s (_z_scales)."""
+    if RESCALE:
+        down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
+        writes = down != 1.0
+    else:
+        down = 1.0
+        writes = True
+    if writes:
+        # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
+        ZS, sx, st_h = _wide(ZS_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64), _wide(st_h, INT64)
+        pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = pid_bh // H, pid_bh % H
+        tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(pid_bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN)
+        Ntok = nq if SIGN == 1 else nk
+        row0 = row_q if SIGN == 1 else row_k
+        tok0 = tok_q if SIGN == 1 else tok_k
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_d = tl.arange(0, BLOCK_D)
+        t_ok = offs_t < Ntok
+        start = _window_start(pid_t * BLOCK_T // GROUP, GROUP, SIGN, _window_base(SIGN, DOFF, nk, LOW, GROUP), C, W)
+        X_bh = _token_rows(X, sx, b, h // X_GROUP, tok0.to(tl.int64))
+        x = _load_rows(X_bh + offs_t[:, None] * sx[2] + offs_d[None, :], t_ok[:, None], offs_d, HEAD_DIM, BLOCK_D)
+        # stores run up to the padded row stride ZS (a multiple of ROW_ALIGN, like cols_per_program), so their mask
+        # is constant over ROW_ALIGN columns and they vectorize; columns W..ZS-1 are padding that no kernel reads
+        top = _project_columns(x, TABLE + h * st_h, BIAS + h * sb_h, Z + (row0.to(tl.int64) + offs_t[:, None]) * ZS,
+                               ENDS + (row0.to(tl.int64) + offs_t) * 2, t_ok, start, C, W, pid_w * cols_per_program,
+                               tl.minimum((pid_w + 1) * cols_per_program, ZS), down, HEAD_DIM, BLOCK_D, BLOCK_W,
+                               FOLD_BIAS, PREC)  # fmt: skip
+        if not RESCALE and ENDS.dtype.element_ty == tl.float16:
+            tl.atomic_max(BOUNDS + (0 if SIGN == 1 else 1), top)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -921,11 +958,10 @@ def _attn_fwd_kernel(
     kpm_b = KPM + b * skpm_b
     K_bh = _token_rows(K, sk, b, h // KV_GROUP, tok_k)
     V_bh = _token_rows(V, sv, b, h // KV_GROUP, tok_k)
-    zq_down, zq_up = _z_scales(BOUNDS, ZQE, 1)
     _zk_down, zk_up = _z_scales(BOUNDS, ZKE, -1)
     # this block's rows of Z̃^Q (its whole window), written by this program rather than by _project_kernel: no
     # launch, and the band tiles below gather them back from cache instead of HBM
-    _project_columns(
+    zq_up = _project_own_rows(
         q,
         AQ + h * saq_h,
         AQ_BIAS + h * saqb_h,
@@ -935,9 +971,8 @@ def _attn_fwd_kernel(
         s0,
         C,
         WQ,
-        0,
         ZSQ,
-        zq_down,
+        BOUNDS,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_W,
@@ -1942,58 +1977,66 @@ def _projection_buffers(geo, query_side, device):
     return z, torch.empty((geo.token_rows(query_side), 2), device=device, dtype=geo.z_dtype)
 
 
-def _project(x, table, bias, bounds, geo, cfg, query_side):
-    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns (stored scaled
-    by the bound in `bounds` when fp16: see _z_scales)."""
+def _project(x, table, bias, bounds, geo, cfg, query_side, z=None, ends=None):
+    """Stored projection Z̃ of x onto its groups' windows of the expanded table, and its end columns. An fp16 Z̃
+    (`bounds`: the zeroed [2] maxima) is written as it is, and again times 2^-s where its largest |entry| exceeds
+    fp16's range (_z_scales). z, ends: a buffer the forward's programs wrote (gen.fused_zq), to be written again
+    at one scale only where those maxima exceed fp16's range."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
-    z, ends = _projection_buffers(geo, query_side, x.device)
+    rescales = (False, True) if bounds is not None else (False,)  # the second launch: see _project_kernel
+    if z is None:
+        z, ends = _projection_buffers(geo, query_side, x.device)
+    else:
+        rescales = (True,)
     c = cfg.project
     token_programs = _rt.cdiv(ntok, c.block_t) * geo.batch * geo.heads
     splits = _rt.column_splits(token_programs, _rt.cdiv(width, c.block_w), x.device)
     cols = _rt.cdiv(_rt.cdiv(width, splits), c.block_w) * c.block_w
     grid = (_rt.cdiv(width, cols), _rt.cdiv(ntok, c.block_t), geo.batch * geo.heads)
-    _project_kernel[grid](
-        x,
-        table,
-        bias if bias is not None else table,
-        z,
-        ends,
-        _or(bounds, z),
-        *geo.cu_seqlens_or(z),
-        _strides(x),
-        geo.table_head_stride(table),
-        geo.table_head_stride(bias),
-        *_sizes(geo),
-        geo.doff,
-        geo.low,
-        columns,
-        width,
-        geo.row_units(width),
-        cols,
-        HEAD_DIM=geo.head_dim,
-        BLOCK_D=geo.block_d,
-        BLOCK_T=c.block_t,
-        BLOCK_W=c.block_w,
-        GROUP=geo.group,
-        SIGN=1 if query_side else -1,
-        FOLD_BIAS=bias is not None,
-        VARLEN=geo.varlen,
-        PREC=geo.prec,
-        X_GROUP=1 if query_side else geo.kv_group,
-        INT64=geo.int64_offsets,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
-    )
+    for rescale in rescales:
+        _project_kernel[grid](
+            x,
+            table,
+            bias if bias is not None else table,
+            z,
+            ends,
+            _or(bounds, z),
+            *geo.cu_seqlens_or(z),
+            _strides(x),
+            geo.table_head_stride(table),
+            geo.table_head_stride(bias),
+            *_sizes(geo),
+            geo.doff,
+            geo.low,
+            columns,
+            width,
+            geo.row_units(width),
+            cols,
+            HEAD_DIM=geo.head_dim,
+            BLOCK_D=geo.block_d,
+            BLOCK_T=c.block_t,
+            BLOCK_W=c.block_w,
+            GROUP=geo.group,
+            SIGN=1 if query_side else -1,
+            FOLD_BIAS=bias is not None,
+            VARLEN=geo.varlen,
+            PREC=geo.prec,
+            X_GROUP=1 if query_side else geo.kv_group,
+            INT64=geo.int64_offsets,
+            RESCALE=rescale,
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
     return z, ends
 
 
 def _projections(q, k, expanded, geo, cfg, for_forward=False):
-    """(Z̃^Q, Z̃^K, their end columns, the bounds their fp16 storage is scaled by); None for a side the spec does
-    not have, and for the bounds of an fp32 storage.
+    """(Z̃^Q, Z̃^K, their end columns, the maxima their fp16 storage is scaled by); None for a side the spec does
+    not have, and for the maxima of an fp32 storage.
     for_forward: Z̃^Q's buffers only, which the forward kernel fills (gen.fused_zq)."""
     zq = zk = zqe = zke = None
-    bounds = _projection_bounds(q, k, expanded, geo)
+    bounds = _projection_maxima(geo, q.device)
     zq, zqe = (
         _projection_buffers(geo, True, q.device)
         if for_forward
@@ -2002,19 +2045,21 @@ def _projections(q, k, expanded, geo, cfg, for_forward=False):
     return zq, zk, zqe, zke, bounds
 
 
-def _projection_bounds(q, k, expanded, geo):
-    """The factors of the bounds on |Z̃^Q| and |Z̃^K| (max‖x‖, max‖a‖, max|b| each, as partial maxima) that an fp16
-    storage scales them by (_z_scales), computed on the device in one launch; None when Z̃ is stored in fp32."""
+def _projection_maxima(geo, device):
+    """The zeroed [2] tensor into which Z̃^Q's and Z̃^K's writers fold their largest |entry| (atomic maxima), which
+    an fp16 storage is scaled by (_z_scales); None when Z̃ is stored in fp32."""
     if geo.z_dtype != torch.float16 or not True:
         return None
-    return projection_bounds(
-        q,
-        expanded.aq.reshape(-1, geo.head_dim),
-        None,
-        k,
-        None,
-        None,
-    )
+    return torch.zeros(2, device=device, dtype=torch.float32)
+
+
+def _rescale_projections(q, expanded, projections, geo, cfg):
+    """Z̃^Q as the forward's programs wrote it, each block at its own scale, written again at the whole buffer's
+    where its largest |entry| exceeds fp16's range (a launch whose programs otherwise return at once): the
+    backward's passes read it at one scale."""
+    zq, _zk, zqe, _zke, bounds = projections
+    if bounds is not None:
+        _project(q, expanded.aq, None, bounds, geo, cfg, True, zq, zqe)
 
 
 def _scalar_args(geo):
@@ -2377,6 +2422,8 @@ def _backward_pass(do, call, o, lse2, projections=None, expanded=None):
         expanded = geo.expand(call.aq, call.ak, call.bias)
     if projections is None or (projections[0] is None and projections[1] is None):
         projections = _projections(call.q, call.k, expanded, geo, geo.config)
+    else:
+        _rescale_projections(call.q, expanded, projections, geo, geo.config)
     saved = (call.q, call.k, call.v, o, lse2, call.aq, call.ak, call.bias, call.kpm, projections, expanded)
     # the kernels read dO through its strides (a 'bnhd' call's dO arrives as a [B, H, N, d] view): no copy
     return _backward(_rt.lastdim_contiguous(do), saved, geo, geo.config)
@@ -2388,7 +2435,7 @@ def _kept_buffers(geo, device):
     zq, zqe = _projection_buffers(geo, True, device)
     bounds = None
     if geo.z_dtype == torch.float16:
-        bounds = torch.empty(6, device=device, dtype=torch.float32)
+        bounds = torch.empty(2, device=device, dtype=torch.float32)
     return zq, zk, zqe, zke, bounds
 
 

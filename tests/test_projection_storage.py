@@ -1,6 +1,6 @@
-"""The fp16 storage of the stored projections (relgen.runtime.scales): each buffer scaled by a power of two from a
-bound computed on the device, so that inputs whose relation products or gradients leave fp16's range stay exact, and
-calls need no host check (CUDA graphs)."""
+"""The fp16 storage of the stored projections (relgen.runtime.scales): each buffer scaled by a power of two chosen on
+the device (Z̃ from the largest entry its writers computed, dZ̃ from a bound), so that inputs whose relation products
+or gradients leave fp16's range stay exact, and calls need no host check (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from kernel_cases import assert_all_close, make_inputs
 
 import relgen
 from relgen import config, reference
-from relgen.runtime import scales
+from relgen.codegen import generator as codegen
 from relgen.runtime import storage as projection_storage
-from relgen.runtime.scales import STORE_LIMIT, pow2_scales, projection_bounds
+from relgen.runtime.arguments import prepare_call
+from relgen.runtime.scales import STORE_LIMIT, pow2_scales
 from relgen.testing import check_close
 
 HAS_CUDA = torch.cuda.is_available()
@@ -93,52 +94,57 @@ def test_a_scaled_store_is_never_less_exact_than_an_unscaled_one(seed, bound):
     assert torch.all(err[~tiny] <= 2.0**-11 * loud.double().abs()[~tiny])
 
 
-def _float64_norm_max(x: torch.Tensor) -> float:
-    return float(x.detach().double().norm(dim=-1).max()) if x.numel() else 0.0
+def _projections(spec, inputs):
+    """The generated module's stored projections for these inputs: (Z̃^Q, Z̃^K, their end columns, the maxima)."""
+    module = relgen.compile_mechanism(spec).module
+    tables = [inputs.tables.get(t) for t in ("aq", "ak", "bias")]
+    call = prepare_call(module.PLAN, inputs.q, inputs.k, inputs.v, *tables)
+    geo = call.geo
+    return module._projections(call.q, call.k, geo.expand(call.aq, call.ak, call.bias), geo, geo.config)
 
 
-def _maxima(bounds: torch.Tensor) -> list[float]:
-    assert bounds.shape == (6,) and torch.isfinite(bounds).all()
-    return bounds.tolist()
+@pytest.mark.parametrize("loud", [1.0, 300.0], ids=["ordinary", "beyond fp16"])
+def test_the_writers_fold_each_sides_largest_entry(storage, loud):
+    """Z̃^Q's and Z̃^K's writers fold the largest |entry| they computed (q_i·a^Q_r + b_r, k_j·a^K_r) into the [2]
+    maxima, against float64: the loudest token is the middle one, whose window reaches every row of the map. Beyond
+    fp16's range the buffers are written again at 2^-s, so that no stored entry overflows."""
+    spec = relgen.load_spec({"name": "maxima", **HUGE["clipped"]})
+    inputs = make_inputs(spec, b=1, h=2, nq=20, d=16, dtype=torch.float16, device=DEVICE, seed=4)
+    with torch.no_grad():
+        inputs.q[:, :, 10].mul_(3.0 * loud)
+        inputs.k[:, :, 10].mul_(3.0 * loud)
+        for table in inputs.tables.values():
+            table.mul_(loud)
+    zq, zk, zqe, zke, maxima = _projections(spec, inputs)
+    q, k = inputs.q.double(), inputs.k.double()
+    aq, ak, bias = (inputs.tables[name].double() for name in ("aq", "ak", "bias"))
+    want_q = float((q @ aq.transpose(-1, -2) + bias[:, None, :]).abs().max())
+    want_k = float((k @ ak.transpose(-1, -2)).abs().max())
+    assert maxima.tolist() == pytest.approx([want_q, want_k], rel=1e-5)
+    assert (want_q > FP16_MAX) == (loud > 1.0)
+    for buffer in (zq, zk, zqe, zke):
+        assert buffer.dtype == torch.float16 and torch.isfinite(buffer).all()
 
 
-def test_projection_bounds_match_an_independent_float64_computation():
-    """Token rows read through a non-contiguous layout ('bnhd' as a [B, H, N, d] view), packed tokens, table rows
-    and bias vectors, each against float64; bf16-sized rows whose squares overflow fp32 stay finite; a side
-    without a table reads nothing."""
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randn(2, 5, 3, 24, generator=gen).half().to(DEVICE).transpose(1, 2)  # [B, H, N, d] view
-    packed = torch.randn(37, 3, 24, generator=gen).to(DEVICE)
-    table = torch.randn(3, 11, 24, generator=gen).half().to(DEVICE)
-    bias = torch.randn(3, 11, generator=gen).to(DEVICE)
-    huge = torch.full((4, 24), 1e30, device=DEVICE)
-    got = _maxima(projection_bounds(tokens, table.reshape(-1, 24), bias.reshape(-1), packed, huge, None))
-    want = [_float64_norm_max(tokens), _float64_norm_max(table), float(bias.abs().max()),
-            _float64_norm_max(packed), 1e30 * math.sqrt(24), 0.0]  # fmt: skip
-    assert got == pytest.approx(want, rel=1e-6)
-    got = _maxima(projection_bounds(packed, None, None, tokens, table.reshape(-1, 24), None))
-    assert got == pytest.approx([0.0, 0.0, 0.0, _float64_norm_max(tokens), _float64_norm_max(table), 0.0], rel=1e-6)
-
-
-@pytest.mark.parametrize("programs", [None, 3], ids=["a program a block", "programs loop over blocks"])
-@pytest.mark.parametrize("where", [0, 777, 1999])
-def test_projection_bounds_combine_every_programs_maxima(programs, where):
-    """The largest row wherever it lies among 2,000 rows of 16 blocks, whether each program takes one block or the
-    grid is capped (MAX_BOUND_PROGRAMS) and its programs loop: the atomic maxima of all programs, against float64."""
-    gen = torch.Generator().manual_seed(where)
-    tokens = torch.randn(1, 2, 1000, 24, generator=gen)
-    tokens.view(-1, 24)[where] *= 30.0
-    table = torch.randn(2000, 24, generator=gen)
-    table[1999 - where] *= 20.0
-    bias = torch.randn(2000, generator=gen)
-    bias[where] = -50.0
-    with pytest.MonkeyPatch.context() as patch:
-        if programs is not None:
-            patch.setattr(scales, "MAX_BOUND_PROGRAMS", programs)
-        got = _maxima(projection_bounds(tokens.to(DEVICE), table.to(DEVICE), bias.to(DEVICE), tokens.to(DEVICE),
-                                        None, None))  # fmt: skip
-    want = [_float64_norm_max(tokens), _float64_norm_max(table), 50.0, 0.0, 0.0, 0.0]
-    assert got == pytest.approx(want, rel=1e-6)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_one_loud_block_of_queries_is_exact(storage, where):
+    """The forward writes Z̃^Q itself (gen.fused_zq), each program its block at the block's own scale, and the
+    backward writes the buffer again at one scale before its passes read it: one block of queries whose products
+    leave fp16's range (~10^5) among ordinary ones (~10^3), first or last in the order the blocks run. Each group
+    of rows is judged at its own scale: a quiet row read at the loud block's scale is off by 2^s, which the loud
+    rows' magnitudes would hide."""
+    spec = relgen.load_spec({"name": "loud_block", "scale": 2e-4, **HUGE["clipped"]})
+    assert codegen.GenerationFlags.from_plan(relgen.compile_mechanism(spec).plan).fused_zq
+    inputs = make_inputs(spec, b=1, h=2, nq=70, d=16, dtype=torch.float16, device=DEVICE, seed=6)
+    loud = torch.arange(0, 5) if where == "first" else torch.arange(65, 70)
+    quiet = torch.tensor([i for i in range(70) if i not in loud.tolist()])
+    with torch.no_grad():
+        inputs.tables["aq"].mul_(1000)
+        inputs.q[:, :, loud] *= 30
+        products = inputs.q.double() @ inputs.tables["aq"].double().transpose(-1, -2)
+        assert float(products[:, :, quiet].abs().max()) < STORE_LIMIT.value < float(products[:, :, loud].abs().max())
+    _assert_exact(spec, inputs.leaves, _incoming(inputs.q.shape), f"one loud block of queries, {where}",
+                  tokens=(loud, quiet))  # fmt: skip
 
 
 def test_bound_tensors_start_from_zero(storage):
@@ -192,23 +198,30 @@ def _huge_inputs(name: str, n: int = 24):
     return spec, inputs
 
 
-def _assert_exact(spec, leaves: dict[str, torch.Tensor], do: torch.Tensor, context: str, unit: bool = True) -> None:
+def _assert_exact(
+    spec, leaves: dict[str, torch.Tensor], do: torch.Tensor, context: str, unit: bool = True, tokens=None
+) -> None:
     """relgen's output and gradients of <do, O> against the FP64 reference's, by the fp16 criterion. With `unit`,
     each tensor (both sides) is multiplied first by the power of two that brings its expected max|e| into
     [0.5, 1): the criterion's absolute allowance (0.03) is meant for tensors of unit scale, and would pass any
-    tiny one."""
+    tiny one. `tokens`: groups of token positions (index tensors) whose rows of O, dq, dk and dv are also judged
+    apart, each at its own scale."""
     names = list(leaves)
     wide = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
     ref = reference.attention(spec, *(wide[n] for n in names[:3]), **{n: wide[n] for n in names[3:]})
     want = torch.autograd.grad(ref, list(wide.values()), do.double())
     out = relgen.compile_mechanism(spec)(*(leaves[n] for n in names[:3]), **{n: leaves[n] for n in names[3:]})
     got = torch.autograd.grad(out, list(leaves.values()), do)
-    for name, a, e in zip(["out", *(f"d{n}" for n in names)], (out, *got), (ref, *want), strict=True):
+    for name, a, e in zip(["out", *(f"d{n}" for n in names)], (out.detach(), *got), (ref.detach(), *want), strict=True):
         assert torch.isfinite(a).all(), f"{context}, {name}: not finite"
-        top = float(e.abs().max())
-        factor = 2.0 ** -math.frexp(top)[1] if unit and top > 0 else 1.0
-        ok, message = check_close(a.double() * factor, e * factor, torch.float16)
-        assert ok, f"{context}, {name} (times {factor:g}): {message}"
+        parts = [("", a, e)]
+        if tokens is not None and name in ("out", "dq", "dk", "dv"):
+            parts += [(f" tokens {i}", a[:, :, i], e[:, :, i]) for i in tokens]
+        for where, a_part, e_part in parts:
+            top = float(e_part.abs().max())
+            factor = 2.0 ** -math.frexp(top)[1] if unit and top > 0 else 1.0
+            ok, message = check_close(a_part.double() * factor, e_part * factor, torch.float16)
+            assert ok, f"{context}, {name}{where} (times {factor:g}): {message}"
 
 
 def _incoming(shape, scale: float = 1.0, seed: int = 1) -> torch.Tensor:

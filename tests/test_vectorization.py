@@ -73,9 +73,11 @@ def test_streaming_kernels_use_vector_accesses(spec, seq_len):
     ops = memory_ops(spec, seq_len)
     plan = relgen.compile_mechanism(ROOT / "specs" / spec).plan
     fused = codegen.GenerationFlags.from_plan(plan).fused_zq  # the forward writes Z̃^Q itself
-    projected = (not fused and plan.has_query) or plan.has_key  # sides _project_kernel writes in the forward
-    streaming = ["_reduce_tokens_kernel", "_reduce_table_kernel"] + (["_project_kernel"] if projected else [])
-    assert set(streaming) <= set(ops) and ("_project_kernel" in ops) == projected, ops
+    # _project_kernel's launches: two per side it projects (the second writes again where Z̃ exceeds fp16), and
+    # for a Z̃^Q the forward wrote, the backward's second launch; all compile the same stores
+    launches = 2 * ((not fused and plan.has_query) + plan.has_key) + fused
+    streaming = ["_reduce_tokens_kernel", "_reduce_table_kernel", "_project_kernel"]
+    assert set(streaming) <= set(ops) and len(ops["_project_kernel"]) == launches, ops
     # Z̃ rows go out as 16-byte stores, enough to write a thread's share of the fp16 tile; the few 2-byte ones are
     # the end-column buffer's (2 entries per token), where the scalar row stores of the bug were 64 per thread
     tiles = ops["tiles"][0]
@@ -83,11 +85,12 @@ def test_streaming_kernels_use_vector_accesses(spec, seq_len):
     share = block_t * block_w * 2 // (32 * warps)  # bytes of the Z̃ tile per thread
     for launch in ops.get("_project_kernel", []):  # each projected side
         assert count(launch, "st.v4.b32") * 16 >= share and count(launch, "st.b16") <= 4, (launch, tiles)
-    if fused:  # the forward's stores: its block's Z̃^Q tiles and its O tile (d = 64), all 16 bytes wide
+    if fused:  # the forward's stores: its block's Z̃^Q tiles and its O tile (d = 64), all 16 bytes wide; the
+        # block's rewrite at its own scale (where its entries exceed fp16) compiles the end-column stores again
         block_m, fwd_warps = _ints(r"forward=AttnTiles\(block_m=(\d+), block_n=\d+, num_warps=(\d+)", tiles)
         shares = block_m * (block_w + 64) * 2 // (32 * fwd_warps)
         (launch,) = ops["_attn_fwd_kernel"]
-        assert count(launch, "st.v4.b32") * 16 >= shares and count(launch, "st.b16") <= 4, (launch, tiles)
+        assert count(launch, "st.v4.b32") * 16 >= shares and count(launch, "st.b16") <= 8, (launch, tiles)
     for launch in ops["_reduce_tokens_kernel"] + ops["_reduce_table_kernel"]:  # windows start at 0 here: aligned
         assert count(launch, "ld.b16") == 0, launch
     # the streaming kernels hold one tile at a time: no spills (the attention passes are another matter:

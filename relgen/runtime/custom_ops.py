@@ -44,7 +44,7 @@ from relgen.runtime.arguments import (
 #: the op namespace: torch.ops.relgen.<module>_forward / _backward
 NAMESPACE = "relgen"
 
-#: (Z̃^Q, Z̃^K, Z̃^Q's end columns, Z̃^K's end columns, the bounds an fp16 Z̃ is scaled by), None where absent —
+#: (Z̃^Q, Z̃^K, Z̃^Q's end columns, Z̃^K's end columns, the largest entries an fp16 Z̃ is scaled by), None where absent —
 #: what the forward keeps for the backward
 Projections = tuple[torch.Tensor | None, ...]
 
