@@ -1,7 +1,7 @@
-"""relgen's own host time per call, without a GPU: every launch of relgen's kernels (the generated module's and
-relgen.runtime.scales') keeps its Python side, `Launcher`'s fingerprint and constexpr tail as on a repeat launch on
-the GPU, and launches nothing, so what remains is argument checking, geometry, tile selection, TMA descriptors,
-buffer allocation, the torch ops of the glue and autograd's.
+"""relgen's own host time per call, without a GPU: every launch of relgen's kernels (the generated module's) keeps
+its Python side, `Launcher`'s fingerprint and constexpr tail as on a repeat launch on the GPU, and launches
+nothing, so what remains is argument checking, geometry, tile selection, TMA descriptors, buffer allocation, the
+torch ops of the glue and autograd's.
 
 At N ≤ 1K a call is host-bound on the H200 (docs/performance.md), and this part of it can be
 measured and trimmed on any machine. Triton's own C launcher (~10 µs per launch) is not included: time it on
