@@ -2070,7 +2070,8 @@ def _projection_maxima(geo, device):
 def _rescale_projections(q, expanded, projections, geo, cfg):
     """Z̃^Q as the forward's programs wrote it, each block at its own scale, written again at the whole buffer's
     where its largest |entry| exceeds fp16's range (a launch whose programs otherwise return at once): the
-    backward's passes read it at one scale."""
+    backward's passes read it at one scale. In place and idempotent (a second backward of one forward writes the
+    same bits again): only the backward reads these buffers."""
     zq, _zk, zqe, _zke, bounds = projections
     if bounds is not None:
         _project(q, expanded.aq, None, bounds, geo, cfg, True, zq, zqe)
