@@ -148,9 +148,9 @@ def test_one_loud_block_of_queries_is_exact(storage, where):
 
 
 def test_bound_tensors_start_from_zero(storage):
-    """The bound launches fold atomic maxima into the tensors they are given (Z̃'s and dZ̃'s), which must start at
-    zero whatever memory they get: with every fp32 tensor torch.empty returns first filled with 10^30, the output
-    and the gradients still match float64."""
+    """Z̃'s writers and the backward's preprocessing fold atomic maxima into the tensors they are given (Z̃'s largest
+    entries, dZ̃'s bound), which must start at zero whatever memory they get: with every fp32 tensor torch.empty
+    returns first filled with 10^30, the output and the gradients still match float64."""
     clipped = {"kind": "clipped", "min": -3, "max": 3}
     spec = relgen.load_spec({"name": "slots", "terms": ["query", "key"], "map": clipped})
     inputs = make_inputs(spec, b=1, h=2, nq=16, d=16, dtype=torch.float16, device=DEVICE, seed=2)
