@@ -2425,9 +2425,15 @@ def _backward_pass(do, call, o, lse2, projections=None, expanded=None):
         projections = _projections(call.q, call.k, expanded, geo, geo.config)
     else:
         _rescale_projections(call.q, expanded, projections, geo, geo.config)
+    return _backward_formed(do, call, o, lse2, projections, expanded)
+
+
+def _backward_formed(do, call, o, lse2, projections, expanded):
+    """_backward_pass given projections _projections formed (each buffer at one scale, which the forward's own
+    rows of Z̃^Q may not be) and the expanded tables: a ring's pairs that share their query chunk's."""
     saved = (call.q, call.k, call.v, o, lse2, call.aq, call.ak, call.bias, call.kpm, projections, expanded)
     # the kernels read dO through its strides (a 'bnhd' call's dO arrives as a [B, H, N, d] view): no copy
-    return _backward(_rt.lastdim_contiguous(do), saved, geo, geo.config)
+    return _backward(_rt.lastdim_contiguous(do), saved, call.geo, call.geo.config)
 
 
 def _kept_buffers(geo, device):

@@ -290,7 +290,9 @@ def test_a_ring_of_one_keeps_its_projections_and_merges_nothing(monkeypatch, rec
 def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, terms):
     """Clipped at ±3, every query's window is the whole expansion (W = C = 7): a query chunk's Z̃^Q is the same
     for each key chunk, and the backward forms it once per query chunk (two of zigzag's four pairs), where the spec
-    stores no Z̃^K; with one (which is each key chunk's), once per pair. Both close to the unsharded call."""
+    stores no Z̃^K; with one (which is each key chunk's), once per pair. Both close to the unsharded call. The
+    projections a pair forms are at one scale: none is written again (_rescale_projections, which only the
+    forward's own rows of Z̃^Q need)."""
     import relgen
     import relgen.distributed as rd
     from relgen.testing import assert_close
@@ -307,10 +309,14 @@ def test_query_chunks_share_their_projections_across_key_chunks(monkeypatch, ter
     formed = []
     real = fn.module._projections
     monkeypatch.setattr(fn.module, "_projections", lambda *a, **kw: formed.append(1) or real(*a, **kw))
+    rescaled = []
+    if hasattr(fn.module, "_rescale_projections"):
+        monkeypatch.setattr(fn.module, "_rescale_projections", lambda *a, **kw: rescaled.append(1))
     names = ["dq", "dk", "dv", *(f"d{t}" for t in inputs.tables)]
     for name, a, e in zip(names, torch.autograd.grad(got, leaves, do), expected_grads, strict=True):
         assert_close(a, e, torch.float32, name)
     assert len(formed) == (2 if terms == ["query"] else 4)
+    assert not rescaled
 
 
 @SLOW

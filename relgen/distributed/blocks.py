@@ -82,18 +82,18 @@ class Blocks:
         key, so the pair's contributions are exact parts of the gathered gradients). Projections are recomputed,
         unless `shared` (a dict the backward's pairs share) holds those of an earlier pair of the same query chunk
         that are this pair's too (`_shared_window`)."""
-        kept = None
         call = self._call(q, k, v, tables, kpm, qs, ks)
-        if shared is not None and self._shared_window(call):
-            kept = shared.get(qs.chunk)
-            if kept is None:
-                geo = call.geo
-                expanded = geo.expand(call.aq, call.ak, call.bias)
-                kept = (self.module._projections(call.q, call.k, expanded, geo, geo.config), expanded)
-                if kept[0][1] is None:  # no Z̃^K: the projections are the query chunk's alone
-                    shared[qs.chunk] = kept
-        projections, expanded = kept if kept is not None else (None, None)
-        dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2, projections, expanded)
+        if shared is None or not self._shared_window(call):
+            dq, dk, dv, *dtables = self.module._backward_pass(do, call, o, lse2)
+            return dq, dk, dv, tuple(dtables)
+        kept = shared.get(qs.chunk)
+        if kept is None:
+            geo = call.geo
+            expanded = geo.expand(call.aq, call.ak, call.bias)
+            kept = (self.module._projections(call.q, call.k, expanded, geo, geo.config), expanded)
+            if kept[0][1] is None:  # no Z̃^K: the projections are the query chunk's alone
+                shared[qs.chunk] = kept
+        dq, dk, dv, *dtables = self.module._backward_formed(do, call, o, lse2, *kept)
         return dq, dk, dv, tuple(dtables)
 
     def _shared_window(self, call: Call) -> bool:
