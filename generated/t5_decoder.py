@@ -2257,7 +2257,9 @@ def _backward(do, saved, geo, cfg):
     # key-parallel pass, then its reduction (dK += dZ̃^K·Ã^K, dÃ^K)
     ck = cfg.key_pass
     key_tiles = _rt.cdiv(geo.nk, ck.block_n)
-    split = _rt.group_splits(ck.group_split, geo.kv_group, key_tiles * geo.batch * geo.kv_heads, q.device)
+    split = _rt.group_splits(
+        ck.group_split, geo.kv_group, key_tiles * geo.batch * geo.kv_heads, q.device, whole_groups=False
+    )
     dk, dv = (_group_partials(t, split) if split > 1 else torch.empty_like(t) for t in (k, v))
     bwd_kv = _for_lengths(_attn_bwd_kv_kernel, _attn_bwd_kv_any_length, geo)
     bwd_kv[(key_tiles, geo.batch * geo.kv_heads, split)](

@@ -44,21 +44,28 @@ def table_partials(items: int, groups: int, column_programs: int, device: torch.
     return chunks, max(1, min(groups, -(-wanted // chunks)))
 
 
-def group_splits(requested: int, kv_group: int, programs: int, device: torch.device) -> int:
+def group_splits(requested: int, kv_group: int, programs: int, device: torch.device, whole_groups: bool) -> int:
     """Into how many parts the key pass splits each grouped-query group's heads (AttnTiles.group_split: at most
-    that many, the largest divisor of the group's size up to it; 0: chosen here). A group's heads run in one
-    program per key tile, so a group of G heads leaves 1/G of the programs that full heads would have; parts
-    restore them while the GPU has fewer programs than SMs (a short sequence, a small batch, one key/value head),
-    at the cost of the fp32 partials' traffic. With the GPU full they gain nothing: Shaw at 8K, H = 16, H_kv = 4,
-    B = 2 (1,024 programs on 132 SMs) ran its key pass in 3.714 ms whole and 3.676 ms in two parts, its step in
-    8.192 and 8.211 ms (docs/performance.md, section 19). The interpreter splits groups of 4 and more in two, so
-    that tests meet both forms."""
+    that many, the largest divisor of the group's size up to it; 0: chosen here). Each part writes fp32 partial
+    dK and dV of the group's key/value head, which the host adds in a fixed order.
+
+    Chosen here: one query head a program, unless `whole_groups`. A program that runs over its group's heads
+    compiles one copy of the query-tile loops per head, and ran Shaw's key pass 14 % slower than a program per head
+    (fp16, N = 8K, B = 2, H = 16, H_kv = 4: 3.642 ms against 3.168 in parts of one head and 3.184 with 16 full heads;
+    H100, docs/performance.md section 19). The partials' 8 bytes per query head and (token, d) entry are small beside
+    the stored dZ̃ of a projected plan. `whole_groups` (a key pass that writes dZ̃^K, whose group loop was not
+    slower than full heads, or relation products formed in the tiles, where the partials would be the backward's
+    largest buffers) keeps a group in one program while the GPU has at least as many programs as SMs, and splits
+    it only as far as that needs. The interpreter splits groups of 4 and more in two, so that tests meet both
+    forms."""
     if requested:
         return max(p for p in range(1, min(requested, kv_group) + 1) if kv_group % p == 0)
     if kv_group == 1:
         return 1
     if device.type != "cuda":
         return 2 if kv_group >= 4 else 1
+    if not whole_groups:
+        return kv_group
     wanted = _sm_count(device)
     for parts in range(1, kv_group + 1):
         if kv_group % parts == 0 and programs * parts >= wanted:
