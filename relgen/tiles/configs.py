@@ -21,8 +21,8 @@ class AttnTiles:
     #: query-only ones (Shaw's key pass 2.86 vs 2.48 ms), so the tuner tries both
     key_major: bool = False
     #: the key pass only: into how many programs (at most) a grouped-query group's heads split per key tile (each
-    #: part's fp32 dK and dV are added afterwards in a fixed order); 0: as many as the GPU needs
-    #: (tiles.grid.group_splits)
+    #: part's fp32 dK and dV are added afterwards in a fixed order); 0: chosen by tiles.grid.group_splits (a head
+    #: a part without dZ̃^K on stored projections, else as many as the GPU needs)
     group_split: int = 0
 
 
