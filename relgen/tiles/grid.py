@@ -52,12 +52,12 @@ def group_splits(requested: int, kv_group: int, programs: int, device: torch.dev
     Chosen here: one query head a program, unless `whole_groups`. A program that runs over its group's heads
     compiles one copy of the query-tile loops per head, and ran Shaw's key pass 14 % slower than a program per head
     (fp16, N = 8K, B = 2, H = 16, H_kv = 4: 3.642 ms against 3.168 in parts of one head and 3.184 with 16 full heads;
-    H100, docs/performance.md section 19). The partials' 8 bytes per query head and (token, d) entry are small beside
-    the stored dZ̃ of a projected plan. `whole_groups` (a key pass that writes dZ̃^K, whose group loop was not
-    slower than full heads, or relation products formed in the tiles, where the partials would be the backward's
-    largest buffers) keeps a group in one program while the GPU has at least as many programs as SMs, and splits
-    it only as far as that needs. The interpreter splits groups of 4 and more in two, so that tests meet both
-    forms."""
+    H100, docs/performance.md section 19). The partials take 8 bytes per query head, token and head-dim entry:
+    at d = 64 half of Shaw's stored dZ̃ (2 bytes per query head, token and its 513 columns). `whole_groups` (a key
+    pass that writes dZ̃^K, whose group loop was not slower than full heads, or relation products formed in the
+    tiles, where the partials would be the backward's largest buffers) keeps a group in one program while the GPU
+    has at least as many programs as SMs, and splits it only as far as that needs. The interpreter splits groups
+    of 4 and more in two, so that tests meet both forms."""
     if requested:
         return max(p for p in range(1, min(requested, kv_group) + 1) if kv_group % p == 0)
     if kv_group == 1:
