@@ -77,9 +77,7 @@ def main() -> None:
     if args.group_split is not None:
         config = replace(config, backward_kv=replace(config.key_pass, group_split=args.group_split))
     programs = cdiv(args.seq_len, config.key_pass.block_n) * args.batch * args.kv_heads
-    plan = fn.module.PLAN
-    whole_groups = "key" in plan.terms or plan.relations == "in_tile"  # as the generated key pass decides
-    split = group_splits(config.key_pass.group_split, group, programs, torch.device("cuda"), whole_groups)
+    split = group_splits(config.key_pass.group_split, group, programs, torch.device("cuda"), fn.module.WHOLE_GROUPS)
     print(f"{args.spec}, fp16, B={args.batch} H={args.heads} H_kv={args.kv_heads} N={args.seq_len} "
           f"d={args.head_dim}; key pass {config.key_pass}, {split} part(s) a group")  # fmt: skip
     with override_config(config):

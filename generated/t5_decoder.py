@@ -2188,6 +2188,11 @@ def _fold(dt, db, table_like, bias_like, geo):
     )
 
 
+#: whether the key pass keeps a grouped-query group's heads in one program while the GPU has programs enough (it
+#: writes dZ̃^K, or forms the relation products in its tiles; tiles.grid.group_splits)
+WHOLE_GROUPS = False
+
+
 def _backward(do, saved, geo, cfg):
     q, k, v, o, lse2, aq, ak, bias, kpm, projections, expanded = saved
     dummy = lse2
@@ -2257,9 +2262,8 @@ def _backward(do, saved, geo, cfg):
     # key-parallel pass, then its reduction (dK += dZ̃^K·Ã^K, dÃ^K)
     ck = cfg.key_pass
     key_tiles = _rt.cdiv(geo.nk, ck.block_n)
-    split = _rt.group_splits(
-        ck.group_split, geo.kv_group, key_tiles * geo.batch * geo.kv_heads, q.device, whole_groups=False
-    )
+    programs = key_tiles * geo.batch * geo.kv_heads
+    split = _rt.group_splits(ck.group_split, geo.kv_group, programs, q.device, WHOLE_GROUPS)
     dk, dv = (_group_partials(t, split) if split > 1 else torch.empty_like(t) for t in (k, v))
     bwd_kv = _for_lengths(_attn_bwd_kv_kernel, _attn_bwd_kv_any_length, geo)
     bwd_kv[(key_tiles, geo.batch * geo.kv_heads, split)](
