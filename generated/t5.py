@@ -1901,9 +1901,9 @@ def _project(x, table, bias, bounds, geo, cfg, query_side, z=None, ends=None):
     at one scale only where those maxima exceed fp16's range."""
     ntok = geo.nq if query_side else geo.nk
     columns, width = geo.projection_columns(query_side)
-    rescales = (False, True) if bounds is not None else (False,)  # the second launch: see _project_kernel
     if z is None:
         z, ends = _projection_buffers(geo, query_side, x.device)
+        rescales = (False, True) if bounds is not None else (False,)  # the second launch: see _project_kernel
     else:
         rescales = (True,)
     c = cfg.project
