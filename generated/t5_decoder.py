@@ -17,7 +17,15 @@ import triton.language as tl
 
 from relgen.runtime import surface as _rt
 from relgen.runtime.dropout import dropout_keep, seed_value
-from relgen.runtime.scales import STORE_LIMIT, max_row_norm, pow2_scales, row_norms, token_rows, unlifted_scales
+from relgen.runtime.scales import (
+    STORE_LIMIT,
+    fold_max,
+    max_row_norm,
+    pow2_scales,
+    row_norms,
+    token_rows,
+    unlifted_scales,
+)
 
 SPEC_NAME = "t5_decoder"
 SPEC_HASH = "57d631b4113da6f1"
@@ -650,7 +658,7 @@ def _project_own_rows(
     top = _project_columns(x, table_h, bias_h, z_rows, end_rows, t_ok, start, C, W, 0, ZS, 1.0, HEAD_DIM, BLOCK_D,
                            BLOCK_W, FOLD_BIAS, PREC)  # fmt: skip
     if end_rows.dtype.element_ty == tl.float16:
-        tl.atomic_max(BOUNDS, top)
+        fold_max(BOUNDS, top)
         down, up = unlifted_scales(top)
         if top > STORE_LIMIT:  # the whole program alike; ordinary inputs never come here
             tl.debug_barrier()
@@ -733,7 +741,7 @@ def _project_kernel(
                                tl.minimum((pid_w + 1) * cols_per_program, ZS), down, HEAD_DIM, BLOCK_D, BLOCK_W,
                                FOLD_BIAS, PREC)  # fmt: skip
         if not RESCALE and ENDS.dtype.element_ty == tl.float16:
-            tl.atomic_max(BOUNDS + (0 if SIGN == 1 else 1), top)
+            fold_max(BOUNDS + (0 if SIGN == 1 else 1), top)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1011,8 +1019,8 @@ def _bwd_preprocess_kernel(
     )
     tl.store(DELTA + row_q.to(tl.int64) + offs_m, tl.sum(o.to(tl.float32) * do, 1), mask=offs_m < Nq)
     if BOUNDS:
-        tl.atomic_max(DZ_BOUNDS, do_factor * tl.max(row_norms(do), 0))
-        tl.atomic_max(
+        fold_max(DZ_BOUNDS, do_factor * tl.max(row_norms(do), 0))
+        fold_max(
             DZ_BOUNDS + 1, max_row_norm(V, sv_b, sv_h, sv_n, HV, NV, v_rows, pid, programs, HEAD_DIM, BLOCK_D, BLOCK_M)
         )
 

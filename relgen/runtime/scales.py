@@ -73,6 +73,14 @@ def unlifted_scales(bound):
 
 
 @triton.jit
+def fold_max(BOUND, value):
+    """BOUND[0] = max(BOUND[0], value), value a non-negative fp32 scalar: one program's share of a maximum. Relaxed
+    order: only later launches read the maxima, and a launch boundary orders them; the default acq_rel order would
+    hold the program until its earlier stores (Z̃'s rows) drained and the atomic returned, before its next loads."""
+    tl.atomic_max(BOUND, value, sem="relaxed")
+
+
+@triton.jit
 def row_norms(x):
     """‖x_t‖₂ of each row of an fp32 block [BT, BD]. Each row is scaled by its largest magnitude before it is
     squared, so that no bf16 row's norm overflows fp32."""
