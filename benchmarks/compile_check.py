@@ -8,9 +8,12 @@ globals, unsupported syntax) show up here without spending GPU time.
     python benchmarks/compile_check.py specs/shaw.yaml [--dtype fp16] [--arch 90] [--seq-len 300] [--config-for 8192]
         [--tiles backward.num_warps=8 backward_kv.block_m=32 ...] [--ablation no_projections] [--relations in_tile]
         [--dropout-seed int|tensor] [--k-offset 0] [--head-dim 64] [--heads 2] [--kv-heads 2] [--layout bhnd|bnhd]
+        [--int64]
 
 --relations in_tile: the plan's in-tile relation products (the variant ablation no_projections runs), for any spec
 the variant serves (a bias term included, which the ablation refuses).
+
+--int64: the kernels a call past 2³¹ elements launches (their strides in int64, INT64), recorded on a small call.
 
 --k-offset K: the call's keys (and queries) start at position K; with dropout, a K that is not a multiple of four
 compiles the kernels' one-Philox-call-per-score mode (relgen.runtime.dropout).
@@ -45,6 +48,7 @@ def record(
     k_offset: int = 0,
     relations: str | None = None,
     heads: int = 2,
+    int64: bool = False,
 ) -> list[dict]:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -97,6 +101,10 @@ def record(
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     interpreter.InterpretedFunction.run = run
+    if int64:  # every offset counts as past int32, so that the call records the kernels' INT64 variants
+        from relgen.runtime import geometry
+
+        geometry.INT32_REACH = 0
     spec = relgen.load_spec(spec_path)
     torch_dtype = getattr(torch, DTYPES[dtype])
     mechanism = relgen.compile_mechanism(spec)
@@ -277,6 +285,9 @@ def main() -> int:
     parser.add_argument(
         "--relations", default=None, choices=("in_tile",), help="compile the plan with these relation products"
     )
+    parser.add_argument(
+        "--int64", action="store_true", help="the kernels' INT64 variants (strides in int64), as past 2³¹ elements"
+    )
     parser.add_argument("--compile-from", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compile_from:
@@ -297,6 +308,7 @@ def main() -> int:
         args.k_offset,
         args.relations,
         args.heads,
+        args.int64,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(launches, f, default=str)

@@ -761,6 +761,9 @@ def _project_kernel(
     BOUNDS[0] (Z̃^Q) or BOUNDS[1] (Z̃^K). RESCALE (a second launch, after the first or after the forward's own
     writes of Z̃^Q): every program returns at once unless that maximum exceeds fp16's range, and then writes its
     entries again times 2^-s (_z_scales)."""
+    # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide); before the branch
+    # on `writes`, which is a run-time one in a RESCALE launch, where a name may not change its type
+    ZS, sx, st_h = _wide(ZS_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64), _wide(st_h, INT64)
     if RESCALE:
         down, _up = _z_scales(BOUNDS, ENDS, SIGN)  # named: a `_` would clash with the loop's discarded ints
         writes = down != 1.0
@@ -768,8 +771,6 @@ def _project_kernel(
         down = 1.0
         writes = True
     if writes:
-        # INT64 (a call that may form an offset past int32): strides, row strides in int64 (_wide)
-        ZS, sx, st_h = _wide(ZS_A * ROW_ALIGN, INT64), _wide_strides(sx, INT64), _wide(st_h, INT64)
         pid_w, pid_t, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = pid_bh // H, pid_bh % H
         tok_q, tok_k, nq, nk, row_q, row_k, DOFF = _sequence(pid_bh, H, CU, CU_K, Nq, Nk, TOTAL, TOTAL_K, DOFF0, VARLEN)
