@@ -121,8 +121,8 @@ def test_one_query_and_one_key_compile(spec):
 def test_int64_kernels_compile(spec):
     """The INT64 variants (a call past 2³¹ elements: TXL from about 46K tokens) compile for sm_90, the projection's
     second launch included, whose branch on its maximum is a run-time one: Triton refuses a name there that
-    changes type (int32 strides widened to int64 inside it failed TXL's 64K and 128K GPU tests). The interpreter
-    does not check types, so only a compile for the GPU finds this."""
+    changes type (int32 strides widened to int64 inside it failed TXL's 64K test and the int64-strided calls' tests
+    on the GPU). The interpreter does not check types, so only a compile for the GPU finds this."""
     report = compile_check(spec, 200, "--int64")
     assert "FAIL" not in report, report
     kernels = re.findall(r"^ok\s+(\w+)", report, re.MULTILINE)
