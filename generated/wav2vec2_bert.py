@@ -72,6 +72,8 @@ INNER = tl.constexpr(3)  # a band tile whose pairs are all in range and strictly
 CAUSAL = tl.constexpr(False)  # a query sees only keys at δ ≥ 0
 # an edge band tile of the forward reads its entries at the clipped columns (see _score_tile)
 CLIP_BAND = tl.constexpr(True)
+# the forward's band tiles read Z̃ without its 2^s where s = 0 (see _stored)
+SKIP_UNIT_SCALE = tl.constexpr(True)
 # b̃ is folded into the Z̃^Q rows that the forward's programs write
 FOLD_QUERY_BIAS = tl.constexpr(False)
 # rows of Z̃ and dZ̃ start at multiples of ROW_ALIGN elements; kernels take those row strides in units of it (the
@@ -512,10 +514,11 @@ def _transpose_if(x, COND: tl.constexpr):
 
 @triton.jit
 def _stored(z, up, SKIP_UNIT: tl.constexpr):
-    """Entries read from Z̃ as fp32 values of Z̃: times the buffer's 2^s. SKIP_UNIT (the forward): not where the call
-    stores Z̃ as it is (s = 0, _z_scales, as for every input whose Z̃ fits fp16), a branch the whole program
-    takes alike that spares each band score a multiplication. The backward passes multiply: in their tighter
-    registers the branch spills more than the multiplication costs (sm_90, DeBERTa, benchmarks/compile_check.py)."""
+    """Entries read from Z̃ as fp32 values of Z̃: times the buffer's 2^s. SKIP_UNIT (the forward of a score that
+    gathers one projection, SKIP_UNIT_SCALE): not where the call stores Z̃ as it is (s = 0, _z_scales, as for every
+    input whose Z̃ fits fp16), a branch the whole program takes alike that spares each band score a
+    multiplication. The backward passes multiply: in their tighter registers the branch spills more than the
+    multiplication costs (sm_90, DeBERTa, benchmarks/compile_check.py); so does a forward that gathers both."""
     z = z.to(tl.float32)
     if SKIP_UNIT:
         if up != 1.0:
@@ -841,7 +844,7 @@ def _fwd_range(
             MASKED=MASKED,
             KEY_MAJOR=False,
             CLIP=CLIP_BAND,
-            SKIP_UNIT=True,
+            SKIP_UNIT=SKIP_UNIT_SCALE,
         )
         m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale + c)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far stay at zero

@@ -280,6 +280,12 @@ class GenerationFlags:
     # slower on the H200. Forward only (H200, fp16): Shaw −3 % at 512, −2 % at 1K, within noise at 8K; T5 −3 % at
     # 8K (docs/performance.md)
     clip_band: bool
+    # the forward's band tiles skip the multiplication of each gathered Z̃ entry by its buffer's 2^s where s = 0
+    # (every input whose Z̃ fits fp16), a branch per tile that the whole program takes alike, where a score gathers
+    # one projection. A score that gathers both (query and key terms) multiplies: its two branches cost more than
+    # the multiplications (H100, DeBERTa 1K: forward kernel 806-808 µs with the branches, 777-779 without; TXL 8K,
+    # one gather: 2167 with, 2219 without; docs/performance.md)
+    skip_unit_scale: bool
     end_terms: Source  # the relation terms at one end column: query, key and b̃ parts (kernel `_end_terms`)
     end_shift: Source  # their per-query part: query and b̃ (kernel `_end_shift`; "0.0" when there is none)
     bias_from: Source | None  # which dZ̃ yields db
@@ -328,6 +334,7 @@ class GenerationFlags:
             fused_zq=values.has_query and not values.length_dependent and by_offset,
             inner_runs=values.has_query or values.has_key,
             clip_band=saturates and not values.has_key and by_offset,
+            skip_unit_scale=not (values.has_query and values.has_key),
             end_terms=_joined(
                 part
                 for part, present in (
