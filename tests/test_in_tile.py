@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_layouts import layout_inputs
+from test_varlen_qk import packed_inputs, packed_length, packing
 from tiers import SLOW, slow_values
 
 import relgen
@@ -225,16 +226,53 @@ def test_backward_keeps_no_gradient_buffer(monkeypatch, name):
     assert max(sizes) <= linear, f"the backward allocated {max(sizes)} entries (linear bound {linear})"
 
 
+# -- packed sequences -------------------------------------------------------------------------------------------
+PACKED = [  # (spec, queries per sequence, keys per sequence, H, H_kv, q_offset, k_offset)
+    # identity map: each sequence's DOFF (Lk − Lq) shifts its tiles onto the launch's diagonals differently
+    ("txl", [5, 9, 3], [12, 3, 7], 2, 2, 0, 3),
+    # query and key terms, bucket copies, grouped-query heads; an empty query sequence
+    ("deberta_v3", [7, 0, 11], [4, 6, 9], 4, 2, 2, 0),
+    # end columns (saturated tiles, edge pairs) with a causal mask; a sequence without keys
+    ({**SATURATING, "causal": True}, [6, 4, 13], [9, 0, 5], 2, 2, 0, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "lq", "lk", "h", "h_kv", "q_offset", "k_offset"),
+    slow_values(PACKED, slow=PACKED[1:]),
+    ids=lambda x: x["name"] if isinstance(x, dict) else None,
+)
+def test_packed_sequences(name, lq, lk, h, h_kv, q_offset, k_offset):
+    """Separate query and key packing (cu_seqlens_q, cu_seqlens_k) against the FP64 reference."""
+    spec = spec_of(name)
+    length = packed_length(lq, lk, q_offset, k_offset)
+    inputs = packed_inputs(spec, lq, lk, h=h, h_kv=h_kv, length=length, seed=len(lq))
+    options = {**packing(lq, lk), "q_offset": q_offset, "k_offset": k_offset}
+    assert_all_close(compare(spec, inputs, **options), f"{spec.name} packed lq={lq} lk={lk}")
+
+
+@SLOW
+def test_packed_sequences_with_dropout_equal_the_stored_projections():
+    """Dropout over packed sequences (the mask of [S, H, max_seqlen_q, max_seqlen_k], sequence s in its top-left
+    block) against the reference, and the same call with stored projections within fp32 rounding."""
+    spec = spec_of("txl_uv")
+    lq, lk, p, seed = [8, 3, 10], [5, 11, 10], 0.25, 13
+    inputs = packed_inputs(spec, lq, lk, h=2, length=packed_length(lq, lk), seed=2)
+    options = {**packing(lq, lk), "dropout_p": p, "dropout_seed": seed}
+    keep = dropout_keep_mask((3, 2, 10, 11), p, seed, device=DEVICE)
+    assert_all_close(compare(spec, inputs, keep_mask=keep, **options), "txl_uv packed, dropout")
+    leaves = list(inputs.leaves.values())
+    tiled = run(spec, inputs, **options)
+    stored = relgen.compile_mechanism(spec)(inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    do = torch.randn(tiled.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    grads = (torch.autograd.grad(tiled, leaves, do), torch.autograd.grad(stored, leaves, do))
+    pairs = [("out", tiled, stored), *zip(inputs.leaves, *grads, strict=True)]
+    for leaf, a, b in pairs:
+        ok, message = check_close(a, b.double(), torch.float32)
+        assert ok, f"{leaf}: tiled against stored: {message}"
+
+
 # -- what the variant does not serve ---------------------------------------------------------------------------
-def test_packed_sequences_are_refused():
-    spec = spec_of("txl")
-    inputs = make_inputs(spec, b=1, h=2, nq=20, d=16, device=DEVICE, length=12)  # tables for max_seqlen 12
-    q, k, v = (t.detach()[0].transpose(0, 1).contiguous() for t in (inputs.q, inputs.k, inputs.v))
-    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        in_tile(spec).attention(q, k, v, inputs.tables["aq"], cu_seqlens=cu, max_seqlen=12)
-
-
 def test_the_atomic_path_is_refused():
     spec = spec_of(
         {"name": "sym", "terms": ["query"], "map": {"kind": "expression", "expr": "Min(Abs(delta), 6)", "rows": 7}}
@@ -256,6 +294,23 @@ def test_half_precision_on_gpu(name, n, dtype):
     spec = spec_of(name)
     inputs = make_inputs(spec, b=1, h=2, nq=n, d=64, dtype=dtype, device="cuda", seed=n)
     assert_all_close(compare(spec, inputs, dtype, oracle=decomposed_reference), f"{name} N={n} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("name", "lq", "lk", "h", "h_kv"),
+    [("txl", [700, 300, 1100], [900, 1000, 600], 2, 2), ("deberta_v3", [513, 1200], [1300, 77], 4, 2)],
+    ids=["txl", "deberta_v3"],
+)
+def test_packed_sequences_on_gpu(name, lq, lk, h, h_kv, dtype):
+    """Packed sequences whose offsets DOFF = Lk − Lq shift their tiles by every remainder, with dropout."""
+    spec = spec_of(name)
+    inputs = packed_inputs(spec, lq, lk, h=h, h_kv=h_kv, d=64, length=packed_length(lq, lk), seed=1, dtype=dtype)
+    options = {**packing(lq, lk), "dropout_p": 0.1, "dropout_seed": 5}
+    keep = dropout_keep_mask((len(lq), h, max(lq), max(lk)), 0.1, 5, device=DEVICE)
+    assert_all_close(compare(spec, inputs, dtype, keep_mask=keep, **options), f"{name} packed {dtype}")
 
 
 @pytest.mark.gpu

@@ -142,11 +142,10 @@ def test_a_bias_only_spec_runs_the_stored_kernels_under_tiled():
 @pytest.mark.parametrize(
     ("spec", "options", "message"),
     [
-        ("txl", {"packed": True}, r"^projections='tiled': packed sequences \(cu_seqlens\) are not supported"),
         ("symmetric", {}, r"^projections='tiled': sym runs the atomic path"),
         ("txl", {"ablation": "atomic_gradients"}, r"^projections='tiled' with ablation 'atomic_gradients'"),
     ],
-    ids=["packed", "atomic", "ablation"],
+    ids=["atomic", "ablation"],
 )
 def test_tiled_refuses_what_the_in_tile_kernels_do_not_serve(spec, options, message):
     if spec == "symmetric":  # ±δ share rows: the atomic path
@@ -159,13 +158,25 @@ def test_tiled_refuses_what_the_in_tile_kernels_do_not_serve(spec, options, mess
     fn = relgen.compile_mechanism(spec)
     q, k, v = inputs.q, inputs.k, inputs.v
     call = {"ablation": options["ablation"]} if "ablation" in options else {}
-    if options.get("packed"):
-        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-        call["cu_seqlens"] = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
     with pytest.raises(NotImplementedError, match=message):
         fn(q, k, v, **inputs.tables, projections="tiled", **call)
     # "auto" stores them instead
     assert fn.strategy(q, k, v, **inputs.tables, **{n: x for n, x in call.items() if n != "ablation"}) == "stored"
+
+
+def test_tiled_serves_packed_sequences():
+    """A packed call under "tiled" runs the in-tile kernels and gives the stored projections' results within fp32
+    rounding."""
+    spec = load("txl")
+    inputs = make_inputs(spec, b=1, h=2, nq=12, d=D, device=DEVICE, length=7)  # tables for max_seqlen 7
+    q, k, v = (t.detach()[0].transpose(0, 1).requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    call = {"cu_seqlens": torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE), "max_seqlen": 7}
+    fn = relgen.compile_mechanism(spec)
+    assert fn.strategy(q, k, v, **inputs.tables, projections="tiled", **call) == "tiled"
+    tiled = fn(q, k, v, **inputs.tables, projections="tiled", **call)
+    stored = fn(q, k, v, **inputs.tables, projections="stored", **call)
+    ok, message = check_close(tiled, stored.double(), torch.float32)
+    assert ok, message
 
 
 def test_the_ablation_keeps_its_refusals():
@@ -177,12 +188,11 @@ def test_the_ablation_keeps_its_refusals():
 
 def test_in_tile_refusal_states_each_condition():
     plan = relgen.compile_mechanism(load("txl")).module.PLAN
-    assert memory.in_tile_refusal(plan, packed=False, compiling=False) is None
-    assert "packed" in memory.in_tile_refusal(plan, packed=True, compiling=False)
-    assert "torch.compile" in memory.in_tile_refusal(plan, packed=False, compiling=True)
-    assert "bias only" in memory.in_tile_refusal(relgen.analyze(load("t5")), packed=False, compiling=False)
+    assert memory.in_tile_refusal(plan, compiling=False) is None
+    assert "torch.compile" in memory.in_tile_refusal(plan, compiling=True)
+    assert "bias only" in memory.in_tile_refusal(relgen.analyze(load("t5")), compiling=False)
     # a bias term (read per pair) and any head dim are served
-    assert memory.in_tile_refusal(relgen.analyze(load("txl_uv")), packed=False, compiling=False) is None
+    assert memory.in_tile_refusal(relgen.analyze(load("txl_uv")), compiling=False) is None
 
 
 # -- auto and the budget ------------------------------------------------------------------------------------------

@@ -314,7 +314,7 @@ def projection_report(
     )
     cost = memory.projection_memory(geo)
     projects = plan.has_query or plan.has_key
-    refusal = memory.in_tile_refusal(info, packed=False, compiling=False)
+    refusal = memory.in_tile_refusal(info, compiling=False)
     runs = {
         phase: memory.resolve_strategy(
             "auto", projects, refusal, lambda backward=backward: memory.auto_strategy(cost, limit, backward, geo)

@@ -83,12 +83,6 @@ def _differentiated(tensors: tuple) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _packed(options: dict[str, Any]) -> bool:
-    """Whether the call packs its sequences (max_seqlen alone is refused by the call's own checks)."""
-    get = options.get
-    return get("cu_seqlens") is not None or get("cu_seqlens_q") is not None or get("cu_seqlens_k") is not None
-
-
 #: The longest window a map whose saturation could not be proven is re-planned for (1 + the largest |δ| a call
 #: reaches): the analyzer's own limit. A call that reaches farther is refused (ValueError) rather than analysed.
 MAX_REPLANNED_WINDOW = MAX_SEQ_LEN
@@ -156,8 +150,8 @@ class Mechanism:
         self._choices: dict[tuple, str] = {}
         #: whether the spec has a projection to store or to form in the tiles (a query or key term)
         self._projects = self.plan.has_query or self.plan.has_key
-        #: in_tile_refusal's answer per (packed, compiling)
-        self._refusals: dict[tuple, str | None] = {}
+        #: in_tile_refusal's answer, traced by torch.compile or not
+        self._refusals: dict[bool, str | None] = {}
 
     def module_for(self, window: int) -> ModuleType:
         """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
@@ -234,10 +228,10 @@ class Mechanism:
         backward instead of keeping them (`layers`: as the call's)."""
         if strategy == "stored" or not self._projects:
             return module, False
-        facts = (_packed(options), torch.compiler.is_compiling())
-        refusal = self._refusals.get(facts, False)
-        if refusal is False:  # the plan is fixed: one refusal per (packed, compiling)
-            refusal = self._refusals[facts] = in_tile_refusal(self.plan, packed=facts[0], compiling=facts[1])
+        compiling = torch.compiler.is_compiling()
+        refusal = self._refusals.get(compiling, False)
+        if refusal is False:  # the plan is fixed: one refusal traced and one not
+            refusal = self._refusals[compiling] = in_tile_refusal(self.plan, compiling=compiling)
         chosen = resolve_strategy(
             strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options, layers)
         )
@@ -293,7 +287,7 @@ class Mechanism:
         if ablation == "atomic_gradients":  # the fallback's per-pair atomic adds on a map that does not need them
             return self._variant(module, path="atomic"), options
         if ablation == "no_projections":  # relation products formed in every band tile instead of stored
-            why = in_tile_refusal(self.plan, packed=_packed(options), compiling=False)
+            why = in_tile_refusal(self.plan, compiling=False)
             if why:
                 raise NotImplementedError(f"ablation no_projections: {why}")
             return self._variant(module, relations="in_tile"), options

@@ -78,19 +78,17 @@ def check_layers(layers: Any) -> int:
 # ------------------------------------------------------------------------------------------------------------
 # which calls the in-tile variant serves
 # ------------------------------------------------------------------------------------------------------------
-def in_tile_refusal(plan: Any, *, packed: bool, compiling: bool) -> str | None:
-    """Why the in-tile variant of `plan` (a Plan or PlanInfo) cannot serve a call, or None when it can. `packed`:
-    cu_seqlens given; `compiling`: traced by torch.compile. The variant serves every term (a bias read per pair, not
-    folded into a projection), every head dim the stored path serves, masks, windows, offsets, dropout, grouped
-    heads and both layouts. The one statement of the variant's coverage: `projections="tiled"`, "auto" and the
+def in_tile_refusal(plan: Any, *, compiling: bool) -> str | None:
+    """Why the in-tile variant of `plan` (a Plan or PlanInfo) cannot serve a call, or None when it can.
+    `compiling`: traced by torch.compile. The variant serves every term (a bias read per pair, not folded into a
+    projection), every head dim the stored path serves, masks, windows, offsets, dropout, grouped heads, packed
+    sequences and both layouts. The one statement of the variant's coverage: `projections="tiled"`, "auto" and the
     ablation no_projections all read it."""
     name, terms = plan.spec_name, plan.terms
     if "query" not in terms and "key" not in terms:
         return f"{name} has no projection to switch off (bias only)"
     if plan.path != "offset":
         return f"{name} runs the atomic path; in-tile relation products serve the offset path"
-    if packed:
-        return "packed sequences (cu_seqlens) are not supported"
     if compiling:
         return "not supported under torch.compile (eager only)"
     return None
