@@ -110,6 +110,21 @@ def test_bad_tables_are_refused_after_a_kept_call():
             prepare_call(plan, inputs.q, inputs.k, inputs.v, None, None, bad)
 
 
+def test_strided_tables_are_kept_and_read_contiguous(checks):
+    """A model's tables are views ([R, H·d] projections seen as [H, R, d]): such a call is kept like any other, and
+    its kept calls hand the kernels contiguous tables with the caller's values, as the checks do."""
+    plan = plan_of("deberta_v3")
+    plan.calls.clear()
+    inputs = make_inputs(spec("deberta_v3"), b=1, h=2, nq=20, d=16)
+    aq, ak = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (inputs.tables["aq"], inputs.tables["ak"]))
+    assert not aq.is_contiguous()
+    first = prepare_call(plan, inputs.q, inputs.k, inputs.v, aq, ak, None)
+    again = prepare_call(plan, inputs.q, inputs.k, inputs.v, aq, ak, None)
+    assert len(checks) == 1 and again.geo is first.geo
+    for kept, checked, passed in ((again.aq, first.aq, aq), (again.ak, first.ak, ak)):
+        assert kept.is_contiguous() and torch.equal(kept, passed) and torch.equal(kept, checked)
+
+
 def test_unkept_calls_are_checked_every_time(checks):
     plan = plan_of("t5")
     plan.calls.clear()

@@ -176,7 +176,8 @@ def prepare_call(plan: PlanInfo, q, k, v, aq, ak, bias, **options: Any) -> Call:
             if isinstance(seed, torch.Tensor) or seed != geo.seed:
                 geo = geo.with_seed(seed)
             kpm = options.get("key_padding_mask")
-            return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), aq, ak, bias, _kpm_rows(kpm), geo)
+            tables = (t.contiguous() if t is not None else None for t in (aq, ak, bias))  # as _check_table makes them
+            return Call(*(heads_major(t, geo.layout) for t in (q, k, v)), *tables, _kpm_rows(kpm), geo)
     call = check_call(plan, q, k, v, aq, ak, bias, **options)
     if signature is not None:
         with _calls_lock:
@@ -192,13 +193,15 @@ _calls_lock = threading.Lock()  # calls from several threads share a plan
 
 
 def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
-    """What check_call's outcome is a function of, but for the dropout seed, for a call whose tensors it would pass
-    through unchanged (q, k, v with unit last stride, contiguous tables) and without packing; None for any other
-    call, which is checked in full. A key padding mask is keyed by what check_call checks of it (its shape, dtype,
-    layout and device: its values are the kernels'), the seed by its kind (None, an int, or a tensor's dtype, shape
-    and device: prepare_call checks each call's own), other options by name, type and value (True never stands in
-    for 1: the checks reject bools). q, k and v are keyed by their strides too (their reach decides the kernels'
-    INT64). A configuration override (tests, tuning) bypasses it."""
+    """What check_call's outcome is a function of, but for the dropout seed, for a call whose q, k and v it would
+    pass through unchanged (unit last stride) and without packing; None for any other call, which is checked in
+    full. Tables in any strides (a model's projections of its relative embeddings, [R, H·d] viewed as [H, R, d])
+    are keyed by shape, dtype and device: prepare_call makes them contiguous as check_call does. A key padding
+    mask is keyed by what check_call checks of it (its shape, dtype, layout and device: its values are the
+    kernels'), the seed by its kind (None, an int, or a tensor's dtype, shape and device: prepare_call checks each
+    call's own), other options by name, type and value (True never stands in for 1: the checks reject bools). q, k
+    and v are keyed by their strides too (their reach decides the kernels' INT64). A configuration override (tests,
+    tuning) bypasses it."""
     if overridden() or any(options.get(name) is not None for name in PACKING_OPTIONS):
         return None
     if type(options.get("dropout_p", 0.0)) not in (int, float):
@@ -214,7 +217,7 @@ def _signature(q, k, v, aq, ak, bias, options: dict[str, Any]) -> tuple | None:
     for t in (aq, ak, bias):
         if t is None:
             tensors.append(None)
-        elif isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_contiguous():
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
             tensors.append((t.shape, t.dtype, t.device))
         else:
             return None
