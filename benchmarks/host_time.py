@@ -10,8 +10,11 @@ the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch o
 
     python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
                                    [--calls 400] [--forward-only] [--ring] [--dropout 0.1] [--profile]
+                                   [--strided-tables]
 
 --dropout P: the calls of a training step (attention dropout at rate P, a seed drawn per call).
+--strided-tables: per-head tables as views [H, R, d] of [R, H, d] storage ([H, R] of [R, H]), as the Hugging Face
+integrations pass their layers' projections of the relative embeddings and T5's bias (needs --heads 2 or more).
 """
 
 from __future__ import annotations
@@ -72,21 +75,31 @@ def load(name: str, window: tuple[int, int] | None) -> relgen.MechanismSpec:
 
 
 def calls_of(
-    spec: relgen.MechanismSpec, n: int, heads: int, ring: bool = False, dropout_p: float = 0.0
+    spec: relgen.MechanismSpec,
+    n: int,
+    heads: int,
+    ring: bool = False,
+    dropout_p: float = 0.0,
+    strided_tables: bool = False,
 ) -> tuple[Callable[[], object], Callable[[], object]]:
     """(forward, forward + backward) of one call at B = 1, `heads` heads, N = n, d = 64, fp16, on the CPU; `ring`:
     through relgen.distributed's ring of one (no process group), contiguous; with attention dropout at
-    `dropout_p`."""
+    `dropout_p`; `strided_tables`: per-head tables as [H, R, d] views of [R, H, d] storage."""
     fn = relgen.compile_mechanism(spec)
     if ring:
         import relgen.distributed as rd
 
         fn = rd.context_parallel(fn)
     inputs = make_inputs(spec, b=1, h=heads, nq=n, d=64, dtype=torch.float16, device="cpu")
-    leaves = list(inputs.leaves.values())
+    tables = dict(inputs.tables)
+    if strided_tables:
+        tables = {
+            name: t.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for name, t in tables.items()
+        }
+    leaves = [inputs.q, inputs.k, inputs.v, *tables.values()]
 
     def forward():
-        return fn(inputs.q, inputs.k, inputs.v, **inputs.tables, dropout_p=dropout_p)
+        return fn(inputs.q, inputs.k, inputs.v, **tables, dropout_p=dropout_p)
 
     do = torch.ones_like(forward())  # made once: a CPU fill of dO would be timed as host work
 
@@ -118,6 +131,7 @@ def main() -> None:
     parser.add_argument("--ring", action="store_true", help="each call through relgen.distributed's ring of one")
     parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout rate of the calls")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
+    parser.add_argument("--strided-tables", action="store_true", help="tables as [H, R, d] views of [R, H, d]")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
     window = tuple(int(x) for x in args.window.split(",")) if args.window else None
@@ -125,8 +139,9 @@ def main() -> None:
         for n in (int(x) for x in args.seq_lens.split(",")):
             for name in args.specs.split(","):
                 spec = load(name, window)
-                forward, both = calls_of(spec, n, args.heads, args.ring, args.dropout)
+                forward, both = calls_of(spec, n, args.heads, args.ring, args.dropout, args.strided_tables)
                 label = spec.name + (" ring" if args.ring else "") + (f" p={args.dropout:g}" if args.dropout else "")
+                label += " strided" if args.strided_tables else ""
                 line = f"{label:16s} N={n:<6d} H={args.heads:<3d} forward {best_us(forward, args.calls):8.1f} µs"
                 if not args.forward_only:
                     line += f"   forward + backward {best_us(both, args.calls):8.1f} µs"
