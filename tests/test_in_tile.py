@@ -234,7 +234,10 @@ PACKED = [  # (spec, queries per sequence, keys per sequence, H, H_kv, q_offset,
     ("deberta_v3", [7, 0, 11], [4, 6, 9], 4, 2, 2, 0),
     # end columns (saturated tiles, edge pairs) with a causal mask; a sequence without keys
     ({**SATURATING, "causal": True}, [6, 4, 13], [9, 0, 5], 2, 2, 0, 0),
-]
+    # a local window on the identity map, grouped-query heads, a query offset
+    ({**spec_of("txl").model_dump(), "name": "txl_window", "window": {"left": 6, "right": 3}}, [9, 4, 12], [13, 6, 5],
+     4, 2, 1, 0),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
