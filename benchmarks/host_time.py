@@ -10,11 +10,14 @@ the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch o
 
     python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
                                    [--calls 400] [--forward-only] [--ring] [--dropout 0.1] [--profile]
-                                   [--strided-tables]
+                                   [--strided-tables] [--decode]
 
 --dropout P: the calls of a training step (attention dropout at rate P, a seed drawn per call).
 --strided-tables: per-head tables as views [H, R, d] of [R, H, d] storage ([H, R] of [R, H]), as the Hugging Face
 integrations pass their layers' projections of the relative embeddings and T5's bias (needs --heads 2 or more).
+--decode: the forward calls of greedy decoding with a cache: one query at position N − 1 + t against N + t keys
+(t = 0, 1, …, 255, then again), each call a new key length and query offset, as a decoder layer's self-attention
+makes them (B = 1, H = --heads, no mask), against one such call repeated; maps whose tables keep their rows only.
 """
 
 from __future__ import annotations
@@ -109,6 +112,23 @@ def calls_of(
     return forward, both
 
 
+def decode_calls(spec: relgen.MechanismSpec, n: int, heads: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(decode, repeat): one forward call of a decode step a call, a query at position n − 1 + t against n + t keys
+    (a cache of k and v), t cycling over 256 steps; and the first step's call again and again (its signature
+    kept: what a step would cost without its checks)."""
+    fn = relgen.compile_mechanism(spec)
+    steps = 256
+    inputs = make_inputs(spec, b=1, h=heads, nq=1, nk=n + steps, d=64, dtype=torch.float16, device="cpu")
+    step = iter(range(1 << 62))
+
+    def forward(keys: int | None = None):
+        keys = n + next(step) % steps if keys is None else keys
+        k, v = inputs.k[:, :, :keys], inputs.v[:, :, :keys]
+        return fn(inputs.q, k, v, **inputs.tables, q_offset=keys - 1)
+
+    return forward, lambda: forward(n)
+
+
 def profile(fn: Callable[[], object], calls: int, rows: int = 25) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -132,6 +152,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout rate of the calls")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
     parser.add_argument("--strided-tables", action="store_true", help="tables as [H, R, d] views of [R, H, d]")
+    parser.add_argument("--decode", action="store_true", help="decode steps: one query, a new key length a call")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
     window = tuple(int(x) for x in args.window.split(",")) if args.window else None
@@ -139,6 +160,16 @@ def main() -> None:
         for n in (int(x) for x in args.seq_lens.split(",")):
             for name in args.specs.split(","):
                 spec = load(name, window)
+                if args.decode:
+                    if spec.map.num_rows(n) != spec.map.num_rows(n + 1):
+                        print(f"{spec.name:16s} decode: its tables grow with the length (identity map): skipped")
+                        continue
+                    with torch.no_grad():
+                        decode, repeat = decode_calls(spec, n, args.heads)
+                        step_us, repeat_us = best_us(decode, args.calls), best_us(repeat, args.calls)
+                    line = f"{spec.name:16s} N={n:<6d} H={args.heads:<3d} decode step {step_us:8.1f} µs"
+                    print(line + f"   one call repeated {repeat_us:8.1f} µs  (launches stubbed, best of 5)", flush=True)
+                    continue
                 forward, both = calls_of(spec, n, args.heads, args.ring, args.dropout, args.strided_tables)
                 label = spec.name + (" ring" if args.ring else "") + (f" p={args.dropout:g}" if args.dropout else "")
                 label += " strided" if args.strided_tables else ""
