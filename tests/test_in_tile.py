@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_layouts import layout_inputs
-from test_varlen_qk import packed_inputs, packed_length, packing
+from test_varlen_qk import packed_call, packed_inputs, packed_length, packing
 from tiers import SLOW, slow_values
 
 import relgen
@@ -248,9 +248,7 @@ PACKED = [  # (spec, queries per sequence, keys per sequence, H, H_kv, q_offset,
 def test_packed_sequences(name, lq, lk, h, h_kv, q_offset, k_offset):
     """Separate query and key packing (cu_seqlens_q, cu_seqlens_k) against the FP64 reference."""
     spec = spec_of(name)
-    length = packed_length(lq, lk, q_offset, k_offset)
-    inputs = packed_inputs(spec, lq, lk, h=h, h_kv=h_kv, length=length, seed=len(lq))
-    options = {**packing(lq, lk), "q_offset": q_offset, "k_offset": k_offset}
+    inputs, options = packed_call(spec, lq, lk, h, h_kv, q_offset, k_offset)
     assert_all_close(compare(spec, inputs, **options), f"{spec.name} packed lq={lq} lk={lk}")
 
 

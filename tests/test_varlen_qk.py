@@ -68,6 +68,13 @@ def packed_inputs(spec, lq, lk, *, h=2, h_kv=None, d=16, length=None, seed=0, dt
     return Inputs(rand(sum(lq), h, d), rand(sum(lk), h_kv, d), rand(sum(lk), h_kv, d), tables)
 
 
+def packed_call(spec, lq, lk, h, h_kv, q_offset=0, k_offset=0):
+    """(inputs, options) of a packed call: packed_inputs for the call's identity-map L, and its packing and offsets."""
+    length = packed_length(lq, lk, q_offset, k_offset)
+    inputs = packed_inputs(spec, lq, lk, h=h, h_kv=h_kv, length=length, seed=len(lq))
+    return inputs, {**packing(lq, lk), "q_offset": q_offset, "k_offset": k_offset}
+
+
 def packing(lq, lk, max_q=None, max_k=None):
     return {
         "cu_seqlens_q": starts(lq),
@@ -101,9 +108,7 @@ def _id(case):
 def test_separate_packing_matches_reference(case):
     name, lq, lk, h, h_kv, q_offset, k_offset = case
     spec = load(name)
-    length = packed_length(lq, lk, q_offset, k_offset)
-    inputs = packed_inputs(spec, lq, lk, h=h, h_kv=h_kv, length=length, seed=len(lq))
-    options = {**packing(lq, lk), "q_offset": q_offset, "k_offset": k_offset}
+    inputs, options = packed_call(spec, lq, lk, h, h_kv, q_offset, k_offset)
     assert_all_close(compare(spec, inputs, **options), f"{_id(case)} lq={lq} lk={lk}")
 
 
