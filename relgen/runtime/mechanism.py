@@ -150,8 +150,9 @@ class Mechanism:
         self._choices: dict[tuple, str] = {}
         #: whether the spec has a projection to store or to form in the tiles (a query or key term)
         self._projects = self.plan.has_query or self.plan.has_key
-        #: in_tile_refusal's answer, traced by torch.compile or not
-        self._refusals: dict[bool, str | None] = {}
+        #: in_tile_refusal's answer, traced by torch.compile or not: both formed here, since a dict that a traced call
+        #: fills in is one that Dynamo guards on, and the next call would be traced again
+        self._refusals = {compiling: in_tile_refusal(self.plan, compiling=compiling) for compiling in (False, True)}
 
     def module_for(self, window: int) -> ModuleType:
         """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
@@ -228,10 +229,7 @@ class Mechanism:
         backward instead of keeping them (`layers`: as the call's)."""
         if strategy == "stored" or not self._projects:
             return module, False
-        compiling = torch.compiler.is_compiling()
-        refusal = self._refusals.get(compiling, False)
-        if refusal is False:  # the plan is fixed: one refusal traced and one not
-            refusal = self._refusals[compiling] = in_tile_refusal(self.plan, compiling=compiling)
+        refusal = self._refusals[torch.compiler.is_compiling()]
         chosen = resolve_strategy(
             strategy, self._projects, refusal, lambda: self._auto(module, q, k, v, aq, ak, bias, options, layers)
         )
