@@ -22,7 +22,6 @@ compiles the kernels' one-Philox-call-per-score mode (relgen.runtime.dropout).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import os
@@ -121,10 +120,7 @@ def record(
         os.environ["TRITON_INTERPRET"] = "0"
         cfg = configs.default_config(torch_dtype, head_dim, config_for, terms, tuning.in_tile(plan))
         os.environ["TRITON_INTERPRET"] = "1"
-    for item in overrides:  # e.g. backward.num_warps=8: what-if compiles without a GPU
-        (part, name), value = item.split("=")[0].split("."), int(item.split("=")[1])
-        current = getattr(cfg, part) or cfg.backward  # backward_kv starts as the query pass's tiles
-        cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(current, **{name: value})})
+    cfg = cfg.with_changes(overrides)  # e.g. backward.num_warps=8: what-if compiles without a GPU
     print(f"tiles for N = {config_for}: {cfg}", flush=True)
     n = seq_len
     rows = spec.map.num_rows(n + k_offset)

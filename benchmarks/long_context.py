@@ -2,6 +2,7 @@
 
 python benchmarks/long_context.py [--specs txl] [--seq-lens 8192,32768,65536,131072] [--relations projected,in_tile]
     [--batch 1] [--heads 12] [--head-dim 64] [--dtype fp16] [--causal] [--warmup 3] [--reps 10] [--json OUT.jsonl]
+    [--tiles forward.num_warps=8 ...]
 
 For each spec, length N and relation strategy (the plan's `relations`: "projected" stores Z̃ between the passes,
 "in_tile" forms the relation products, and their gradients, inside the tiles), and for plain SDPA at the same
@@ -15,6 +16,8 @@ torch.cuda.Event pairs, after `--warmup` calls, the median of `--reps`:
 * TFLOP/s: the paper's credited work (relgen.bench.common.credited_flops; causal calls credited half) over the time.
 
 A case that runs out of memory is listed as OOM. Prints a Markdown table with the date, the commit and the GPU.
+--tiles runs relgen's kernels with the tiles they would pick at each length, changed as given
+(KernelConfig.with_changes); the records name the changes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 import relgen
 from relgen.bench.common import credited_flops
 from relgen.check.verify import make_inputs
+from relgen.tiles.select import override_config, select_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -66,12 +70,12 @@ def median_ms(step: Callable[[], object], warmup: int, reps: int, before: Callab
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def attention_of(spec: relgen.MechanismSpec, relations: str):
+def module_of(spec: relgen.MechanismSpec, relations: str):
     """The mechanism's module for `relations`: its own (projected), or the variant the runtime builds."""
     mechanism = relgen.compile_mechanism(spec)
     if relations == "projected":
-        return mechanism.module.attention
-    return mechanism._variant(mechanism.module, relations=relations).attention
+        return mechanism.module
+    return mechanism._variant(mechanism.module, relations=relations)
 
 
 def measure(name: str, n: int, system: str, args: argparse.Namespace) -> dict:
@@ -81,6 +85,17 @@ def measure(name: str, n: int, system: str, args: argparse.Namespace) -> dict:
         data["causal"] = True
     spec = relgen.load_spec(data)
     record = {"spec": name, "seq_len": n, "system": system, "dtype": args.dtype, "causal": args.causal}
+    if system != "sdpa" and args.tiles:
+        module = module_of(spec, system)
+        config = select_config(module.PLAN, dtype, args.head_dim, n).with_changes(args.tiles)
+        record["tiles"] = args.tiles
+        with override_config(config):
+            return _measured(record, spec, n, system, args)
+    return _measured(record, spec, n, system, args)
+
+
+def _measured(record: dict, spec: relgen.MechanismSpec, n: int, system: str, args: argparse.Namespace) -> dict:
+    dtype = DTYPES[args.dtype]
     made = make_inputs(
         spec, b=args.batch, h=args.heads, nq=n, d=args.head_dim, dtype=dtype, device="cuda", bias_dtype=dtype
     )
@@ -92,7 +107,7 @@ def measure(name: str, n: int, system: str, args: argparse.Namespace) -> dict:
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(made.q, made.k, made.v, is_causal=args.causal)
     else:
-        attention = attention_of(spec, system)
+        attention = module_of(spec, system).attention
         tables = made.tables
 
         def forward() -> torch.Tensor:
@@ -169,6 +184,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None, help="append one JSON record per case to this file")
+    parser.add_argument(
+        "--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="relgen tiles changed: forward.num_warps=8"
+    )
     args = parser.parse_args()
     systems = ["sdpa", *args.relations.split(",")]
     records = []

@@ -248,3 +248,19 @@ def test_selection_is_shared_by_a_bucket_and_yields_to_an_override():
     with select.override_config(CONFIG):
         assert select.select_config(plan, torch.float16, 64, 600) is CONFIG
     assert select.select_config(plan, torch.float16, 64, 600) is first
+
+
+def test_configs_change_by_name_and_refuse_what_does_not_fit():
+    """KernelConfig.with_changes (benchmarks' and compile checks' --tiles): each part's field by name, a change to
+    the key pass starting from the query pass's tiles, and a clear error for a name, a value or a tile that the
+    group does not take."""
+    changed = CONFIG.with_changes(["forward.num_warps=8", "backward_kv.block_m=16"])
+    assert changed.forward == dataclasses.replace(CONFIG.forward, num_warps=8)
+    assert changed.backward == CONFIG.backward
+    assert changed.key_pass == dataclasses.replace(CONFIG.backward, block_m=16)
+    assert CONFIG.with_changes([]) is CONFIG
+    for bad in ("forward.num_warp=8", "forward=8", "forward.block_m=x", "reduce.block_t"):
+        with pytest.raises(ValueError, match=r"PART\.FIELD=N"):
+            CONFIG.with_changes([bad])
+    with pytest.raises(ValueError, match="divide the group"):
+        CONFIG.with_changes(["forward.block_m=96"])

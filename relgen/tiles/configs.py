@@ -56,6 +56,21 @@ class KernelConfig:
     def key_pass(self) -> AttnTiles:
         return self.backward_kv or self.backward
 
+    def with_changes(self, changes: list[str]) -> KernelConfig:
+        """This configuration with fields changed as "PART.FIELD=N" (e.g. "forward.num_warps=8"; a change to
+        `backward_kv` starts from the key pass's tiles): the what-ifs of benchmarks and compile checks."""
+        config = self
+        for change in changes:
+            try:
+                name, value = change.split("=")
+                part, field = name.split(".")
+                current = getattr(config, part) if part != "backward_kv" else config.key_pass
+                config = replace(config, **{part: replace(current, **{field: int(value)})})
+            except (AttributeError, TypeError, ValueError) as err:
+                raise ValueError(f"tiles: expected PART.FIELD=N (e.g. forward.num_warps=8), got {change!r}") from err
+        config.check()
+        return config
+
     def check(self) -> None:
         tiles = (
             self.forward.block_m,
