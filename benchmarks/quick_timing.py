@@ -1,13 +1,14 @@
 """Quick relgen-only timing on a GPU (a development aid; the benchmark that compares peers is `relgen bench`).
 
 python benchmarks/quick_timing.py [--seq-lens 1024,8192] [--specs shaw,txl,deberta_v3,t5] [--json OUT] [--check]
-    [--descriptors] [--dropout P]
+    [--descriptors] [--dropout P] [--tiles forward.num_warps=8 ...]
 
 A name in --specs is a shipped spec (specs/NAME.yaml) or a path to a spec file. --check adds "exact": the same
 kernels (batch 1, two heads, fp16) against the FP64 reference, output and every gradient (relgen.check.verify);
 with --descriptors, the check's calls take the tensor-descriptor paths whatever their size
 (relgen.runtime.descriptors.forced), as the timed calls of 16K tokens at N ≥ 2K do. --dropout P times the calls with
-attention dropout at rate P (a fixed seed: the kernels' work does not depend on it).
+attention dropout at rate P (a fixed seed: the kernels' work does not depend on it). --tiles times the kernels with the
+tiles they would pick at each length, changed as given (KernelConfig.with_changes); --check then checks those tiles.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import triton
 import relgen
 from relgen.check.verify import check_spec, make_inputs
 from relgen.runtime import descriptors
+from relgen.tiles.select import override_config, select_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,6 +84,15 @@ def measure(
     }
 
 
+def tiles_changed(name: str, n: int, changes: list[str]) -> contextlib.AbstractContextManager:
+    """The spec's tiles at n tokens (fp16, d = 64) changed as given, for the calls in the block; nothing without
+    changes."""
+    if not changes:
+        return contextlib.nullcontext()
+    plan = relgen.compile_mechanism(relgen.load_spec(spec_path(name))).module.PLAN
+    return override_config(select_config(plan, torch.float16, 64, n).with_changes(changes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-lens", default="1024,8192")
@@ -90,17 +101,21 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="also compare with the FP64 reference")
     parser.add_argument("--descriptors", action="store_true", help="the check with descriptors forced on")
     parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout rate of the timed calls")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="e.g. forward.num_warps=8")
     args = parser.parse_args()
     rows = []
     for name in args.specs.split(","):
         for n in (int(x) for x in args.seq_lens.split(",")):
             try:
-                r = measure(name, n, dropout=args.dropout)
-                if args.check:
-                    with descriptors.forced(True) if args.descriptors else contextlib.nullcontext():
-                        checked = check_spec(spec_path(name), [n], "cuda")
-                    r["exact"] = all(c.ok for c in checked)
-                    r["failed"] = [f"{c.tensor}: {c.message}" for c in checked if not c.ok]
+                with tiles_changed(name, n, args.tiles):
+                    r = measure(name, n, dropout=args.dropout)
+                    if args.check:
+                        with descriptors.forced(True) if args.descriptors else contextlib.nullcontext():
+                            checked = check_spec(spec_path(name), [n], "cuda")
+                        r["exact"] = all(c.ok for c in checked)
+                        r["failed"] = [f"{c.tensor}: {c.message}" for c in checked if not c.ok]
+                if args.tiles:
+                    r["tiles"] = args.tiles
             except Exception as err:  # report and go on: one broken kernel must not hide the others
                 r = {"spec": name, "seq_len": n, "error": f"{type(err).__name__}: {err}"[:400]}
             rows.append(r)
