@@ -73,14 +73,16 @@ def test_kernel_family_separates_saturating_maps_from_growing_ones(name, family)
 
 def test_in_tile_variants_are_a_family_of_their_own(monkeypatch):
     """Ablation no_projections forms each band tile's products from Ã ([BM, BM + BN − 1] fp32 values): no tuned
-    entry of the projected kernels applies, and the heuristic gives it 64-row forward tiles."""
+    entry of the projected kernels applies, and the heuristic gives it 64-row forward tiles of 8 warps (with 4 its
+    products spill)."""
     from relgen.tiles import configs
 
     mechanism = relgen.compile_mechanism(ROOT / "specs" / "shaw.yaml")
     variant = mechanism._ablated(mechanism.module, "no_projections", {})[0]
     assert tuning.plan_family(variant.PLAN) == "query@in_tile"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert configs.default_config(torch.float16, 64, 8192, ("query",), in_tile=True).forward.block_m == 64
+    forward = configs.default_config(torch.float16, 64, 8192, ("query",), in_tile=True).forward
+    assert (forward.block_m, forward.num_warps) == (64, 8)
     assert configs.default_config(torch.float16, 64, 8192, ("query",)).forward.block_m == 128
 
 

@@ -134,11 +134,13 @@ def default_config(
     # in-tile products hold a [BM, BM + BN − 1] window of fp32 products per band tile: with 128 rows Shaw's 8K
     # forward spills 38 KB per thread, with 64 rows 2 KB (benchmarks/compile_check.py, sm_90)
     wide_rows = not (fp32 or two_gathers or in_tile)
-    # 4 warps beat 8 on the H200 for every shipped spec at 8K (docs/performance.md, tile tuning)
+    # 4 warps beat 8 on the H200 for every shipped spec at 8K (docs/performance.md, tile tuning), except with in-tile
+    # products, whose [BM, 2·BN] window of fp32 products spills with 4 (sm_90: TXL 928 B a thread, Shaw 2.1 KB,
+    # DeBERTa 6.8 KB; with 8: 0, 148 B, 1.6 KB): TXL's forward 88.3 → 60.7 ms at 32K on the H200
     fwd = AttnTiles(
         128 if wide_rows else 64,
         64 if not big_d else 32,
-        num_warps=8 if big_d and not fp32 else 4,
+        num_warps=8 if (big_d or in_tile) and not fp32 else 4,
         num_stages=3 if not big_d else 2,
     )
     # in-tile products: the backward's passes also skew dS back onto the band (_unskew) and the table pass holds
