@@ -9,6 +9,8 @@ with --descriptors, the check's calls take the tensor-descriptor paths whatever 
 (relgen.runtime.descriptors.forced), as the timed calls of 16K tokens at N ≥ 2K do. --dropout P times the calls with
 attention dropout at rate P (a fixed seed: the kernels' work does not depend on it). --tiles times the kernels with the
 tiles they would pick at each length, changed as given (KernelConfig.with_changes); --check then checks those tiles.
+Under a tile override every call is checked in full (prepare_call keeps no signature then): at N ≤ 1K the times
+include that host work.
 """
 
 from __future__ import annotations
