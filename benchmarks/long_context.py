@@ -3,6 +3,7 @@
 python benchmarks/long_context.py [--specs txl] [--seq-lens 8192,32768,65536,131072] [--relations projected,in_tile]
     [--batch 1] [--heads 12] [--head-dim 64] [--dtype fp16] [--causal] [--warmup 3] [--reps 10] [--json OUT.jsonl]
     [--tiles forward.num_warps=8 ...]
+python benchmarks/long_context.py --plot DIR --json RECORDS.jsonl [--tree COMMIT]
 
 For each spec, length N and relation strategy (the plan's `relations`: "projected" stores Z̃ between the passes,
 "in_tile" forms the relation products, and their gradients, inside the tiles), and for plain SDPA at the same
@@ -18,6 +19,11 @@ torch.cuda.Event pairs, after `--warmup` calls, the median of `--reps`:
 A case that runs out of memory is listed as OOM. Prints a Markdown table with the date, the commit and the GPU.
 --tiles runs relgen's kernels with the tiles they would pick at each length, changed as given
 (KernelConfig.with_changes); the records name the changes.
+
+--plot draws the records of --json (those of --tree, when given; the last of each case) against N, as relgen
+bench draws its own (relgen.bench.report.plot): DIR/long_context_throughput.png (credited TFLOP/s, forward and
+backward) and DIR/long_context_memory.png (the peak of forward + backward above the inputs, in the backward's
+panel), plain SDPA dashed as the ceiling.
 """
 
 from __future__ import annotations
@@ -147,6 +153,27 @@ def _measured(record: dict, spec: relgen.MechanismSpec, n: int, system: str, arg
     return record
 
 
+#: long_context's systems as relgen.bench.report plots them (plain SDPA by the benchmark's own name for it)
+PLOTTED = {"sdpa": "sdpa_plain", "projected": "relgen, stored projections", "in_tile": "relgen, in-tile products"}
+
+
+def plot(records: list[dict], out: Path) -> list[Path]:
+    """The records as relgen.bench.report.plot takes them; returns the files written (none without matplotlib)."""
+    from relgen.bench.report import plot as draw
+
+    last = {(r["spec"], r["seq_len"], r["system"]): r for r in records if not r.get("tiles")}
+    points = []
+    for r in last.values():
+        for pass_ in ("fwd", "bwd"):
+            point = {"mechanism": r["spec"], "pass": pass_, "system": PLOTTED[r["system"]], "seq_len": r["seq_len"]}
+            point |= {"status": "oom" if r.get("oom") else "ok", "tflops": r.get(f"{pass_}_tflops")}
+            point["peak_mib"] = r.get("peak_mib") if pass_ == "bwd" else None
+            points.append(point)
+    written = (draw(points, field, out / name) for field, name in (
+        ("tflops", "long_context_throughput.png"), ("peak_mib", "long_context_memory.png")))  # fmt: skip
+    return [path for path in written if path is not None]
+
+
 def table(records: list[dict]) -> list[str]:
     lines = [
         "| spec | N | system | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | kept MiB | peak MiB | peak / SDPA |",
@@ -187,7 +214,17 @@ def main() -> None:
     parser.add_argument(
         "--tiles", nargs="*", default=[], metavar="PART.FIELD=N", help="relgen tiles changed: forward.num_warps=8"
     )
+    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="plot the --json records into DIR")
+    parser.add_argument("--tree", default=None, help="with --plot: the records of this commit only")
     args = parser.parse_args()
+    if args.plot is not None:
+        if args.json is None:
+            parser.error("--plot needs --json, the records to draw")
+        records = [json.loads(line) for line in Path(args.json).read_text().splitlines() if line.strip()]
+        records = [r for r in records if args.tree is None or r.get("tree") == args.tree]
+        for path in plot(records, args.plot) or ["nothing drawn (no records, or no matplotlib)"]:
+            print(path)
+        return
     systems = ["sdpa", *args.relations.split(",")]
     records = []
     for name in args.specs.split(","):

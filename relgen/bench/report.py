@@ -463,8 +463,9 @@ def plot(records: list[dict[str, Any]], field: str, path: Path) -> Path | None:
     passes = [p for p in PASSES if any(r["pass"] == p for r in records)]
     systems = _system_order(records)
     colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
+    # one mechanism's column is widened for the title and a two-column legend
     fig, axes = plt.subplots(
-        len(passes), len(mechanisms), figsize=(4.2 * len(mechanisms), 3.4 * len(passes)), squeeze=False
+        len(passes), len(mechanisms), figsize=(max(6.4, 4.2 * len(mechanisms)), 3.4 * len(passes)), squeeze=False
     )
     ylabel = "TFLOP/s" if field == "tflops" else "peak MiB"
     for row, pass_ in enumerate(passes):
@@ -509,10 +510,11 @@ def plot(records: list[dict[str, Any]], field: str, path: Path) -> Path | None:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
             labels[label] = label
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)), fontsize=8)
+    columns = min(4, len(handles), 2 * len(mechanisms))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=8)
     title = "Throughput" if field == "tflops" else "Peak memory beyond the inputs"
     fig.suptitle(f"{title} (× fails the FP32 check)", fontsize=11)
-    rows_of_legend = math.ceil(len(handles) / 4)
+    rows_of_legend = math.ceil(len(handles) / columns)
     fig.tight_layout(rect=(0, 0.05 * rows_of_legend, 1, 0.96))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
