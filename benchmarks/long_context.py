@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import relgen
 from relgen.bench.common import credited_flops
 from relgen.check.verify import make_inputs
-from relgen.tiles.select import override_config, select_config
+from relgen.tiles.select import changed_tiles
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -92,10 +92,8 @@ def measure(name: str, n: int, system: str, args: argparse.Namespace) -> dict:
     spec = relgen.load_spec(data)
     record = {"spec": name, "seq_len": n, "system": system, "dtype": args.dtype, "causal": args.causal}
     if system != "sdpa" and args.tiles:
-        module = module_of(spec, system)
-        config = select_config(module.PLAN, dtype, args.head_dim, n).with_changes(args.tiles)
         record["tiles"] = args.tiles
-        with override_config(config):
+        with changed_tiles(module_of(spec, system).PLAN, dtype, args.head_dim, n, args.tiles):
             return _measured(record, spec, n, system, args)
     return _measured(record, spec, n, system, args)
 

@@ -27,7 +27,7 @@ import triton
 import relgen
 from relgen.check.verify import check_spec, make_inputs
 from relgen.runtime import descriptors
-from relgen.tiles.select import override_config, select_config
+from relgen.tiles.select import changed_tiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,15 +86,6 @@ def measure(
     }
 
 
-def tiles_changed(name: str, n: int, changes: list[str]) -> contextlib.AbstractContextManager:
-    """The spec's tiles at n tokens (fp16, d = 64) changed as given, for the calls in the block; nothing without
-    changes."""
-    if not changes:
-        return contextlib.nullcontext()
-    plan = relgen.compile_mechanism(relgen.load_spec(spec_path(name))).module.PLAN
-    return override_config(select_config(plan, torch.float16, 64, n).with_changes(changes))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-lens", default="1024,8192")
@@ -109,7 +100,8 @@ def main() -> None:
     for name in args.specs.split(","):
         for n in (int(x) for x in args.seq_lens.split(",")):
             try:
-                with tiles_changed(name, n, args.tiles):
+                plan = relgen.compile_mechanism(relgen.load_spec(spec_path(name))).module.PLAN
+                with changed_tiles(plan, torch.float16, 64, n, args.tiles):
                     r = measure(name, n, dropout=args.dropout)
                     if args.check:
                         with descriptors.forced(True) if args.descriptors else contextlib.nullcontext():

@@ -266,3 +266,15 @@ def test_configs_change_by_name_and_refuse_what_does_not_fit():
             CONFIG.with_changes([bad])
     with pytest.raises(ValueError, match="divide the group"):
         CONFIG.with_changes(["forward.block_m=96"])
+
+
+def test_changed_tiles_force_the_changed_selection_for_the_block_only():
+    from relgen.tiles import select
+
+    plan = relgen.compile_mechanism(ROOT / "specs" / "shaw.yaml").module.PLAN
+    chosen = select.select_config(plan, torch.float16, 64, 1024)
+    with select.changed_tiles(plan, torch.float16, 64, 1024, []):
+        assert not select.overridden()
+    with select.changed_tiles(plan, torch.float16, 64, 1024, ["forward.num_warps=8"]):
+        assert select.select_config(plan, torch.float16, 64, 1024) == chosen.with_changes(["forward.num_warps=8"])
+    assert select.select_config(plan, torch.float16, 64, 1024) is chosen

@@ -3,6 +3,7 @@ else the resource heuristic; the interpreter always runs its own small tiles."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -33,6 +34,16 @@ class override_config:
 def overridden() -> bool:
     """Whether an override_config is active (select_config then ignores the tables)."""
     return bool(_override)
+
+
+def changed_tiles(
+    plan: Any, dtype: torch.dtype, head_dim: int, seq_len: int, changes: list[str]
+) -> contextlib.AbstractContextManager:
+    """The tiles `plan` would run at `seq_len`, changed as given (KernelConfig.with_changes), forced for the calls in
+    the block (benchmarks' what-ifs); nothing forced without changes."""
+    if not changes:
+        return contextlib.nullcontext()
+    return override_config(select_config(plan, dtype, head_dim, seq_len).with_changes(changes))
 
 
 def select_config(plan: Any, dtype: torch.dtype, head_dim: int, seq_len: int) -> KernelConfig:
