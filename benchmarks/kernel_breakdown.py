@@ -2,10 +2,12 @@
 benchmark's problem (16K tokens, H = 12, d = 64, fp16), through the public API and the FP64 checker's input maker
 only, so that the same file also runs against an older tree: an A/B of two commits kernel by kernel.
 
-    python benchmarks/kernel_breakdown.py --spec txl --seq-len 8192 [--tag current]
+    python benchmarks/kernel_breakdown.py --spec txl --seq-len 8192 [--tag current] [--projections tiled]
     cd OTHER && PYTHONPATH=$PWD python /path/to/kernel_breakdown.py --spec txl --seq-len 8192 --tag other
 
 Prints one JSON line: each kernel's µs per call in the forward and in the backward, and their sums.
+--projections passes the call option of that name (trees from before it take none); --batch replaces the
+benchmark's B = 16K / N (long sequences: --batch 1).
 """
 
 from __future__ import annotations
@@ -30,18 +32,21 @@ def main() -> None:
     parser.add_argument("--spec", required=True, help="a shipped spec's name (specs/NAME.yaml of the current tree)")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--tag", default="", help="a label for the tree measured")
+    parser.add_argument("--projections", default=None, choices=("auto", "stored", "tiled"))
+    parser.add_argument("--batch", type=int, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernel_breakdown.py times GPU kernels: no CUDA device")
     n = args.seq_len
     spec = relgen.load_spec(f"specs/{args.spec}.yaml")
-    b = max(1, 16384 // n)
+    b = args.batch or max(1, 16384 // n)
     made = make_inputs(spec, b=b, h=12, nq=n, d=64, dtype=torch.float16, device="cuda", bias_dtype=torch.float16)
-    fn = relgen.compile_mechanism(spec)
+    mechanism = relgen.compile_mechanism(spec)
+    options = {} if args.projections is None else {"projections": args.projections}
     leaves = [made.q, made.k, made.v, *made.tables.values()]
 
     def forward() -> torch.Tensor:
-        return fn(made.q, made.k, made.v, **made.tables)
+        return mechanism(made.q, made.k, made.v, **made.tables, **options)
 
     out = forward()
     do = torch.randn_like(out)
@@ -49,7 +54,7 @@ def main() -> None:
         out = forward()
         torch.autograd.grad(out, leaves, do, retain_graph=True)
     torch.cuda.synchronize()
-    record = {"spec": args.spec, "seq_len": n, "batch": b, "tag": args.tag}
+    record = {"spec": args.spec, "seq_len": n, "batch": b, "tag": args.tag, **options}
     passes = {"fwd": forward, "bwd": lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)}
     for name, run in passes.items():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
