@@ -519,6 +519,35 @@ def test_identity_map_past_int32_rows(n):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n", [16384, 32768])
+def test_in_tile_products_at_long_lengths(n, dtype):
+    """TXL at N = 16K and 32K (B = H = 1, d = 64) with its relation products formed inside the tiles
+    (projections="tiled"): output and every gradient against the chunked FP64 reference by the paper's criterion,
+    and the backward bitwise the same in two runs (it has no atomics). About 10 s a case on the H200."""
+    spec = spec_of("txl")
+    d = 64
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, d, generator=gen).to("cuda", dtype).requires_grad_() for _ in range(3))
+    aq = (torch.randn(1, 2 * n - 1, d, generator=gen) * 0.5).to("cuda", dtype).requires_grad_()
+    fn = relgen.compile_mechanism(spec)
+    assert fn.strategy(q, k, v, aq=aq, projections="tiled") == "tiled"
+    do = torch.randn(1, 1, n, d, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    runs = []
+    for _ in range(2):
+        out = fn(q, k, v, aq=aq, projections="tiled")
+        runs.append((out, torch.autograd.grad(out, [q, k, v, aq], do)))
+    (out, got), (_, again) = runs
+    names = ("dq", "dk", "dv", "daq")
+    for name, a, b in zip(names, got, again, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+    want_out, want = chunked_identity_reference(spec, q, k, v, aq, do)
+    results = [("out", *check_close(out, want_out, dtype))]
+    results += [(name, *check_close(g, w, dtype)) for name, g, w in zip(names, got, want, strict=True)]
+    assert_all_close(results, f"txl in-tile N = {n} {dtype}")
+
+
+@needs_cuda
 @pytest.mark.parametrize(
     ("shape", "strides"),
     [
