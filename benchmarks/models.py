@@ -25,6 +25,11 @@ models.json and models.md (date, git commit, command line, versions, GPU) into -
 
     python benchmarks/models.py --models deberta,t5 --dtype bf16,fp16 --steps 10 --out DIR
     python benchmarks/models.py --smoke --dtype fp16,fp32 --out /tmp/models   # tiny sizes, runs on a CPU
+    python benchmarks/models.py --plot FIGURE.png --json RECORDS.jsonl [--dtype bf16]
+
+--plot draws the training steps of --json's records (the last of each model, dtype, length and system) in the
+first --dtype: step time and peak memory against N, a panel each per model, every system, relgen's speed-up and
+memory saving over HF eager written at its points; the dates and commits of the points drawn in the caption.
 
 On a CPU the kernels run in Triton's interpreter: its times say nothing, and its bf16 dot products are not exact
 (use fp16 or fp32 there); --smoke only proves that every measurement runs.
@@ -789,7 +794,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decoder-len", type=int, default=None, help="T5 decoder tokens (default 128, smoke 8)")
     parser.add_argument("--new-tokens", type=int, default=None, help="generate(): tokens (default 64, smoke 4)")
     parser.add_argument("--generate-runs", type=int, default=None, help="timed generate() calls (default 3)")
-    parser.add_argument("--out", type=Path, required=True, help="directory for models.json and models.md")
+    parser.add_argument("--out", type=Path, default=None, help="directory for models.json and models.md")
+    parser.add_argument("--plot", type=Path, default=None, help="draw --json's records into this PNG, then stop")
+    parser.add_argument("--json", type=Path, default=None, help="records to --plot (models.jsonl)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (proves the script on a CPU)")
     parser.add_argument(
         "--profile",
@@ -810,6 +817,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.plot is not None and args.json is None:
+        parser.error("--plot: needs --json RECORDS.jsonl")
+    if args.plot is None and args.out is None:
+        parser.error("--out: required (the directory for models.json and models.md)")
     for name in args.models:
         if name not in FAMILIES:
             parser.error(f"--models: expected names among {', '.join(FAMILIES)}, got {name!r}")
@@ -821,8 +832,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+PLOTTED_SYSTEMS = {"eager": ("HF eager", "C1", "--"), "sdpa": ("HF sdpa", "C2", ":"), "relgen": ("relgen", "C0", "-")}
+
+
+def plot(records: list[dict[str, Any]], dtype: str, path: Path) -> None:
+    """Step time and peak memory against N per model (rows) for every system, in `dtype`; relgen's ratios to HF
+    eager at its points. The last record of each (model, N, system) counts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kept: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        if r.get("dtype") == dtype and r.get("system") in PLOTTED_SYSTEMS and r.get("step_ms") is not None:
+            kept[(r["model"], r["seq_len"], r["system"])] = r
+    models = [m for m in FAMILIES if any(key[0] == m for key in kept)]
+    if not models:
+        raise SystemExit(f"--plot: no training step in {dtype} among the records")
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.6 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        for col, (field, label) in enumerate((("step_ms", "step (ms)"), ("peak_mib", "peak memory (GiB)"))):
+            ax = axes[row][col]
+            for system, (name, color, style) in PLOTTED_SYSTEMS.items():
+                points = sorted((n, r[field]) for (m, n, s), r in kept.items() if m == model and s == system)
+                if not points:
+                    continue
+                ys = [y / 1024 if field == "peak_mib" else y for _, y in points]
+                ax.plot([n for n, _ in points], ys, style, marker="o", color=color, label=name,
+                        linewidth=2.4 if system == "relgen" else 1.2)  # fmt: skip
+                if system == "relgen":
+                    for (n, y), shown in zip(points, ys, strict=True):
+                        eager = kept.get((model, n, "eager"))
+                        if eager is not None and y > 0:
+                            ax.annotate(f"{eager[field] / y:.2f}×", (n, shown), textcoords="offset points",
+                                        xytext=(0, -13), ha="center", fontsize=8, color=color)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            lengths = sorted({n for (m, n, _) in kept if m == model})
+            ax.set_xticks(lengths, [f"{n // 1024}K" if n >= 1024 else str(n) for n in lengths])
+            ax.minorticks_off()
+            ax.set_xlabel("N (tokens a sequence; 8K tokens a batch)")
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{model}: {label.split(' (')[0]}, {dtype} autocast")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    trees = sorted({(r.get("date", "?"), r.get("commit", "?")) for r in kept.values()})
+    gpus = sorted({r.get("gpu") for r in kept.values() if r.get("gpu")})
+    caption = "; ".join(f"{d} {c}" for d, c in trees) + (f" ({', '.join(gpus)})" if gpus else "")
+    fig.text(0.5, 0.005, f"benchmarks/models.py records: {caption}", ha="center", fontsize=7)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=130)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plot is not None:
+        records = [json.loads(line) for line in args.json.read_text().splitlines() if line.strip()]
+        plot(records, args.dtype[0], args.plot)
+        return
     env = environment()
     records: list[dict[str, Any]] = []
     args.out.mkdir(parents=True, exist_ok=True)
