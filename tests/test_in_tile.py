@@ -22,6 +22,8 @@ from relgen.plan import analyze
 from relgen.runtime import geometry
 from relgen.runtime.mechanism import load_module
 from relgen.testing import check_close, dropout_keep_mask
+from relgen.tiles.configs import INTERPRETER_CONFIG, AttnTiles
+from relgen.tiles.select import override_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +115,32 @@ def test_causal(name):
     spec = spec_of(name, causal=True)
     inputs = make_inputs(spec, b=1, h=2, nq=41, nk=41, d=16, device=DEVICE, seed=2)
     assert_all_close(compare(spec, inputs), f"{spec.name} causal")
+
+
+@pytest.mark.parametrize(
+    ("name", "block_m", "causal", "window"),
+    slow_values(
+        [
+            ("txl", 16, False, None),
+            (SATURATING, 32, True, None),  # BM = BN; end columns and the causal diagonal
+            ("deberta_v3", 16, False, {"left": 9, "right": 20}),  # local window: a band run [n_start, n_full)
+            ("txl_uv", 32, False, None),
+        ],
+        slow=[("deberta_v3", 16, False, {"left": 9, "right": 20}), ("txl_uv", 32, False, None)],
+    ),
+    ids=lambda case: case.get("name", "window") if isinstance(case, dict) else None,
+)
+def test_windows_of_consecutive_key_tiles(name, block_m, causal, window):
+    """Tiles with BM ≤ BN: each band tile forms one [BM, BN] block of query products and takes the other half of
+    its window from the previous key tile, and the query pass multiplies one block of Ã^Q a tile (_fwd_range,
+    _bwd_q_range). The interpreter's forward tiles (32 × 16) do not; its query pass's (16 × 32) do, and runs of
+    several key tiles need Nk > 2·BN."""
+    spec = spec_of(name, causal=causal, **({"window": window} if window else {}))
+    inputs = make_inputs(spec, b=1, h=2, nq=70, nk=103, d=16, device=DEVICE, seed=block_m)
+    forced = dataclasses.replace(INTERPRETER_CONFIG, forward=AttnTiles(block_m, 32))
+    with override_config(forced):
+        results = compare(spec, inputs)
+    assert_all_close(results, f"{spec.name} forward tiles {block_m} x 32")
 
 
 def test_a_single_column_map():
