@@ -145,7 +145,10 @@ def _worker(rank: int, world: int, store: str, out_dir: str, cases: list[Case]) 
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
     )
     results: dict[str, Any] = {}
+    progress = Path(out_dir) / f"rank{rank}.log"
     for case in cases:
+        with progress.open("a") as log:
+            log.write(f"{case.name}\n")
         try:
             tensors, tables = _sharded_call(case, world)
             result = {"tensors": tensors, "tables": tables}
@@ -158,7 +161,12 @@ def _worker(rank: int, world: int, store: str, out_dir: str, cases: list[Case]) 
             result = {"error": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
         results[case.name] = result
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # every rank's transfers are done before any rank leaves
     dist.destroy_process_group()
+    # The results are on disk: leave without the interpreter's and the C++ libraries' teardown, where gloo's
+    # threads can end the process with SIGABRT ("terminate called without an active exception") after the work
+    # is done.
+    os._exit(0)
 
 
 _RESULTS: dict[int, list[dict[str, Any]]] = {}
@@ -168,15 +176,24 @@ def _results(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[
     """Every rank's results of the group of `world` processes (spawned on first use)."""
     if world not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"ring{world}")
-        mp.start_processes(
-            _worker,
-            args=(world, str(out_dir / "store"), str(out_dir), CASES[world]),
-            nprocs=world,
-            start_method="spawn",
-            join=True,
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world, str(out_dir / "store"), str(out_dir), CASES[world]),
+                nprocs=world,
+                start_method="spawn",
+                join=True,
+            )
+        except mp.ProcessExitedException as error:
+            reached = {r: _last_case(out_dir / f"rank{r}.log") for r in range(world)}
+            raise AssertionError(f"{error}; each rank's last case begun: {reached}") from error
         _RESULTS[world] = [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
     return _RESULTS[world]
+
+
+def _last_case(log: Path) -> str:
+    lines = log.read_text().split() if log.exists() else []
+    return lines[-1] if lines else "none"
 
 
 def _expected(case: Case):
