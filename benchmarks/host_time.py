@@ -1,7 +1,7 @@
 """relgen's own host time per call, without a GPU: every launch of relgen's kernels (the generated module's) keeps
-its Python side, `Launcher`'s fingerprint and constexpr tail as on a repeat launch on the GPU, and launches
-nothing, so what remains is argument checking, geometry, tile selection, TMA descriptors, buffer allocation, the
-torch ops of the glue and autograd's.
+its Python side, `Launcher`'s lookup and constexpr tail as on a launch of a compiled kernel on the GPU, and
+launches nothing, so what remains is argument checking, geometry, tile selection, TMA descriptors, buffer
+allocation, the torch ops of the glue and autograd's.
 
 At N ≤ 1K a call is host-bound on the H200 (docs/performance.md), and this part of it can be
 measured and trimmed on any machine. Triton's own C launcher (~10 µs per launch) is not included: time it on
@@ -11,6 +11,7 @@ the GPU with `benchmarks/profile_kernels.py`'s host_ms_per_fwd_call. The torch o
     python benchmarks/host_time.py [--specs shaw,txl] [--seq-lens 128,32768] [--window 256,0] [--heads 1]
                                    [--calls 400] [--forward-only] [--ring] [--dropout 0.1] [--profile]
                                    [--strided-tables] [--decode]
+    python benchmarks/host_time.py --generate
 
 --dropout P: the calls of a training step (attention dropout at rate P, a seed drawn per call).
 --strided-tables: per-head tables as views [H, R, d] of [R, H, d] storage ([H, R] of [R, H]), as the Hugging Face
@@ -18,6 +19,7 @@ integrations pass their layers' projections of the relative embeddings and T5's 
 --decode: the forward calls of greedy decoding with a cache: one query at position N − 1 + t against N + t keys
 (t = 0, 1, …, 255, then again), each call a new key length and query offset, as a decoder layer's self-attention
 makes them (B = 1, H = --heads, no mask), against one such call repeated; maps whose tables keep their rows only.
+--generate: Hugging Face T5's greedy generate() per decode step, eager against patched (generate_step_ms).
 """
 
 from __future__ import annotations
@@ -41,12 +43,19 @@ from relgen.runtime.launch import Launcher
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: what stubbed_launches keeps in place of a compiled kernel
+_STANDIN = object()
+
+
 @contextmanager
 def stubbed_launches() -> Iterator[None]:
-    """Every Launcher launch does the host work of a launch that hits its kept kernels, and launches nothing."""
+    """Every Launcher launch does the host work of a launch on the GPU once its kernel is compiled (a new key
+    length or batch finds it by its class of integers, Launcher.lookup), and launches nothing."""
 
     def launch(self: Launcher, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        self.key(args, kwargs)
+        key = self.key(args, kwargs)
+        if key is not None and self.lookup(key, args, kwargs) is None:
+            self.keep(key, args, kwargs, _STANDIN)
         tuple(self._constexprs(len(args), kwargs))
 
     saved = Launcher.launch
@@ -129,6 +138,46 @@ def decode_calls(spec: relgen.MechanismSpec, n: int, heads: int) -> tuple[Callab
     return forward, lambda: forward(n)
 
 
+def generate_step_ms(rounds: int = 5) -> tuple[float, float]:
+    """(HF eager, patched) milliseconds per decode step of greedy generate() on a 12-layer T5 too narrow for the
+    CPU's arithmetic to matter (d_model 64, 2 heads of 64; B = 2, 64 input tokens; dynamic cache): a 36-token call
+    less a 4-token one, over the 32 steps between them, the best of `rounds` rounds in which both take turns. The
+    patched model's relgen launches are stubbed (its tokens are meaningless; each call still makes every step)."""
+    import transformers
+
+    import relgen.integrations
+
+    config = transformers.T5Config(
+        d_model=64, d_kv=64, num_heads=2, num_layers=12, d_ff=64, vocab_size=128, relative_attention_num_buckets=32,
+        relative_attention_max_distance=128, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    patched = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    patched.load_state_dict(eager.state_dict())
+    relgen.integrations.patch(patched)
+    ids = torch.randint(2, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def seconds(model: torch.nn.Module, tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                max_new_tokens=tokens, min_new_tokens=tokens,
+            )  # fmt: skip
+        return time.perf_counter() - start
+
+    best = {id(eager): float("inf"), id(patched): float("inf")}
+    for model in (eager, patched):
+        seconds(model, 8)
+    for _ in range(rounds):
+        for model in (eager, patched):
+            step = (seconds(model, 36) - seconds(model, 4)) / 32 * 1e3
+            best[id(model)] = min(best[id(model)], step)
+    return best[id(eager)], best[id(patched)]
+
+
 def profile(fn: Callable[[], object], calls: int, rows: int = 25) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
@@ -153,9 +202,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the forward (by own time)")
     parser.add_argument("--strided-tables", action="store_true", help="tables as [H, R, d] views of [R, H, d]")
     parser.add_argument("--decode", action="store_true", help="decode steps: one query, a new key length a call")
+    parser.add_argument("--generate", action="store_true", help="T5 generate(): eager against patched, per step")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the glue's torch ops run on the CPU here: threads add only noise on a shared machine
     window = tuple(int(x) for x in args.window.split(",")) if args.window else None
+    if args.generate:
+        with stubbed_launches():
+            eager_ms, patched_ms = generate_step_ms()
+        print(f"T5 generate() per decode step: eager {eager_ms:.2f} ms, patched {patched_ms:.2f} ms (launches stubbed)")
+        return
     with stubbed_launches():
         for n in (int(x) for x in args.seq_lens.split(",")):
             for name in args.specs.split(","):

@@ -37,6 +37,7 @@ from relgen.backend import SYNTAX_TREES
 
 #: fingerprint of an argument Launcher does not know: the launch takes Triton's own path
 _UNKNOWN = object()
+_INT = frozenset((int,))
 
 #: launch kinds kept per kernel (least recently used first out): calls of one shape repeat the same few
 CAPACITY = 64
@@ -76,6 +77,8 @@ def _fingerprint(arg: Any) -> Any:
     kind = type(arg)
     if kind is torch.Tensor or isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is tuple and _INT.issuperset(map(type, arg)):  # strides: read in C, half the time of the loop below
+        return (tuple, arg)
     if kind is float or kind is bool or arg is None:
         return kind
     if kind is tuple:
@@ -138,33 +141,41 @@ class Launcher:
         return (_device(), fingerprint, *kwargs.items()) if _UNKNOWN not in fingerprint else None
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+        if self._interpreted:
+            with _INTERPRETER_LOCK:
+                self.kernel[grid](*args, **kwargs)
+            return  # (the interpreter returns nothing to keep)
         key = self.key(args, kwargs)
-        compiled = None
-        if key is not None:
-            with self._lock:
-                compiled = self._compiled.get(key)
-                if compiled is not None:
-                    self._compiled.move_to_end(key)
-        if compiled is None and key is not None and not self._interpreted:
-            by_class = self.class_key(args, kwargs)
-            with self._lock:
-                compiled = self._by_class.get(by_class)
-                if compiled is not None:
-                    self._by_class.move_to_end(by_class)
-            if compiled is not None:
-                self._keep(self._compiled, key, compiled)
+        compiled = self.lookup(key, args, kwargs) if key is not None else None
         if compiled is None:
-            if self._interpreted:
-                with _INTERPRETER_LOCK:
-                    self.kernel[grid](*args, **kwargs)
-                return  # (the interpreter returns nothing to keep)
             compiled = self.kernel[grid](*args, **kwargs)
             if compiled is not None and key is not None:
                 # the first launch may have initialised CUDA: both keys again, with the device
-                self._keep(self._compiled, (_device(), *key[1:]), compiled)
-                self._keep(self._by_class, self.class_key(args, kwargs), compiled)
+                self.keep((_device(), *key[1:]), args, kwargs, compiled)
             return
         compiled[_grid3(grid)](*args, *self._constexprs(len(args), kwargs))
+
+    def lookup(self, key: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The kernel kept for the launch of this key, or one kept for its class (class_key), then kept under the
+        key too; None for a launch Triton has to specialise and compile."""
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        by_class = self.class_key(args, kwargs)
+        with self._lock:
+            compiled = self._by_class.get(by_class)
+            if compiled is not None:
+                self._by_class.move_to_end(by_class)
+        if compiled is not None:
+            self._keep(self._compiled, key, compiled)
+        return compiled
+
+    def keep(self, key: tuple, args: tuple, kwargs: dict[str, Any], compiled: Any) -> None:
+        """Keep the kernel Triton compiled for this launch under its key and its class key."""
+        self._keep(self._compiled, key, compiled)
+        self._keep(self._by_class, self.class_key(args, kwargs), compiled)
 
     def _keep(self, kept: OrderedDict, key: tuple, compiled: Any) -> None:
         with self._lock:
