@@ -34,7 +34,7 @@ import torch
 
 from relgen.spec.model import MechanismSpec, load_spec
 
-__all__ = ["LAYOUTS", "attention", "relation_rows"]
+__all__ = ["LAYOUTS", "allowed_pairs", "attention", "relation_rows"]
 
 #: the dense layouts of q, k, v and O: [B, H, N, d] and [B, N, H, d]
 LAYOUTS = ("bhnd", "bnhd")
@@ -73,6 +73,23 @@ def relation_rows(
             f"[{int(delta.min())}, {int(delta.max())}] give rows outside [0, {num_rows})"
         )
     return torch.from_numpy(rows.copy())
+
+
+def allowed_pairs(
+    spec: MechanismSpec, nq: int, nk: int, q_offset: int = 0, k_offset: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """[nq, nk] bool: the query-key pairs the spec's causality and local window admit, query i at position
+    i + q_offset and key j at j + k_offset (the window is a mask of its own, independent of causality)."""
+    i = torch.arange(nq, device=device)[:, None] + q_offset
+    j = torch.arange(nk, device=device)[None, :] + k_offset
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if spec.causal:
+        allowed &= i >= j
+    if spec.window is not None and spec.window.left is not None:
+        allowed &= j >= i - spec.window.left
+    if spec.window is not None and spec.window.right is not None:
+        allowed &= j <= i + spec.window.right
+    return allowed
 
 
 def attention(
@@ -269,18 +286,7 @@ def _dense(spec, q, k, v, tables, scale, masks, q_offset, k_offset, length):
         scores = scores + (table[rows] if shared else table[:, rows])  # [Nq, Nk] or [H, Nq, Nk]
     scores = tau * scores
 
-    valid = torch.ones(batch, 1, nq, nk, dtype=torch.bool, device=q.device)
-    if spec.causal:
-        i = torch.arange(nq, device=q.device)[:, None] + q_offset
-        j = torch.arange(nk, device=q.device)[None, :] + k_offset
-        valid = valid & (i >= j)
-    if spec.window is not None:  # a plain mask of its own, independent of the causal one
-        i = torch.arange(nq, device=q.device)[:, None] + q_offset
-        j = torch.arange(nk, device=q.device)[None, :] + k_offset
-        if spec.window.left is not None:
-            valid = valid & (j >= i - spec.window.left)
-        if spec.window.right is not None:
-            valid = valid & (j <= i + spec.window.right)
+    valid = allowed_pairs(spec, nq, nk, q_offset, k_offset, q.device).expand(batch, 1, nq, nk)
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or tuple(key_padding_mask.shape) != (batch, nk):
             raise ValueError(f"key_padding_mask must be [B, Nk] = [{batch}, {nk}], got {_shape(key_padding_mask)}")

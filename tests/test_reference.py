@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from hypothesis import strategies as st
 
 from relgen import reference
 from relgen.spec.model import load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # -- φ by the textbook formulas ------------------------------------------------------------------------------
 
@@ -667,3 +670,62 @@ def test_tolerance_criterion():
         assert_close(e * 2, e, torch.float32, name="dq")
     with pytest.raises(ValueError, match="dtype"):
         tolerance(torch.int32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    left=st.one_of(st.none(), st.integers(0, 6)),
+    right=st.one_of(st.none(), st.integers(0, 6)),
+    causal=st.booleans(),
+    nq=st.integers(1, 9),
+    nk=st.integers(1, 9),
+    q_offset=st.integers(0, 6),
+    k_offset=st.integers(0, 6),
+)
+def test_allowed_pairs_by_their_definition(left, right, causal, nq, nk, q_offset, k_offset):
+    """Query i (at i + q_offset) may attend to key j (at j + k_offset) when causality allows it and the key lies in
+    [position − left, position + right], each bound unbounded when null."""
+    data = {"name": "w", "terms": ["bias"], "map": MAPS["clipped"][0], "causal": causal}
+    spec = load_spec({**data, "window": {"left": left, "right": right}})
+    allowed = reference.allowed_pairs(spec, nq, nk, q_offset, k_offset)
+    for i in range(nq):
+        for j in range(nk):
+            pi, pj = i + q_offset, j + k_offset
+            expected = (not causal or pj <= pi) and (left is None or pj >= pi - left)
+            expected = expected and (right is None or pj <= pi + right)
+            assert bool(allowed[i, j]) == expected, (i, j)
+
+
+# -- the GPU suite's decomposed oracle ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "window", "offsets"),
+    [
+        ("shaw", None, (0, 0)),
+        ("deberta_v3", None, (0, 0)),
+        ("t5", None, (0, 0)),
+        ("txl", None, (0, 0)),
+        ("t5_decoder", None, (6, 2)),  # causal, queries after the first keys
+        ("shaw", (5, 3), (0, 4)),  # a local window, keys from position 4 on: the first queries see none
+    ],
+    ids=["shaw", "deberta_v3", "t5", "txl", "t5_decoder-offsets", "shaw-window-offsets"],
+)
+def test_decomposed_reference_matches_reference(name, window, offsets):
+    """The GPU suite's oracle (tests/test_gpu.py: scores through Z = x·Aᵀ, which fit at 8K) against this one, with
+    keys of the second sequence padded."""
+    from test_gpu import decomposed_reference
+
+    from relgen.check.verify import make_inputs
+
+    spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+    if window is not None:
+        spec = load_spec({**spec.model_dump(), "window": {"left": window[0], "right": window[1]}})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (q_offset, k_offset), nq, nk = offsets, 40, 33
+    length = max(q_offset + nq, k_offset + nk)
+    inputs = make_inputs(spec, b=2, h=2, nq=nq, nk=nk, d=16, device=device, dtype=torch.float64, length=length)
+    kpm = torch.ones(2, nk, dtype=torch.bool, device=device)
+    kpm[1, 5:12] = False
+    options = dict(key_padding_mask=kpm, q_offset=q_offset, k_offset=k_offset)
+    a = decomposed_reference(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    b = reference.attention(spec, inputs.q, inputs.k, inputs.v, **inputs.tables, **options)
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
