@@ -168,14 +168,14 @@ def generate_step_ms(rounds: int = 5) -> tuple[float, float]:
             )  # fmt: skip
         return time.perf_counter() - start
 
-    best = {id(eager): float("inf"), id(patched): float("inf")}
-    for model in (eager, patched):
+    models = (eager, patched)
+    for model in models:
         seconds(model, 8)
+    best = [float("inf")] * len(models)
     for _ in range(rounds):
-        for model in (eager, patched):
-            step = (seconds(model, 36) - seconds(model, 4)) / 32 * 1e3
-            best[id(model)] = min(best[id(model)], step)
-    return best[id(eager)], best[id(patched)]
+        for n, model in enumerate(models):
+            best[n] = min(best[n], (seconds(model, 36) - seconds(model, 4)) / 32 * 1e3)
+    return best[0], best[1]
 
 
 def profile(fn: Callable[[], object], calls: int, rows: int = 25) -> str:

@@ -37,6 +37,7 @@ from relgen.backend import SYNTAX_TREES
 
 #: fingerprint of an argument Launcher does not know: the launch takes Triton's own path
 _UNKNOWN = object()
+#: the element types of a tuple fingerprinted as it is (a tensor's strides)
 _INT = frozenset((int,))
 
 #: launch kinds kept per kernel (least recently used first out): calls of one shape repeat the same few
