@@ -10,12 +10,15 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from tiers import SLOW
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import relgen.integrations
-from relgen.integrations import _core
+from relgen.integrations import _core, hf_t5
+from relgen.runtime.mechanism import Mechanism
 from relgen.testing import assert_as_close_as_own, assert_close, check_close
 
 transformers = pytest.importorskip("transformers")
@@ -217,14 +220,75 @@ def test_q_k_v_are_not_copied() -> None:
     assert _copies(reference_recorded.shapes, N, M)
 
 
+# ----------------------------------------------------------------------------------------------- short calls: SDPA
+
+
+@contextmanager
+def _kernel_calls() -> Iterator[list[bool]]:
+    """The `causal` flag of every call of a relgen mechanism inside the block (True: a decoder's)."""
+    calls: list[bool] = []
+    original = Mechanism.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.plan.causal)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(Mechanism, "__call__", counted)
+        yield calls
+
+
+@SLOW
+def test_short_decoder_runs_sdpa_over_its_bias_rows_and_matches_hf() -> None:
+    """A decoder of at most ROW_QUERIES queries is served by SDPA over the bias rows: logits and every gradient
+    (the shared table's included) as HF's in float64, padded decoder rows and rows without a key included, and no
+    kernel call in the decoder; the encoder's calls stay on the kernels."""
+    model = _model()
+    reference = copy.deepcopy(model).double()
+    relgen.integrations.patch(model)
+    batch = _batch(N, hf_t5.ROW_QUERIES)
+    with _relgen_warnings() as messages, _kernel_calls() as calls:
+        patched = _step(model, batch)
+    assert messages == []
+    assert calls == [False, False]  # the encoder's two layers
+    _assert_matches(patched, _step(reference, batch))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    buckets=st.integers(2, 64),
+    max_distance=st.integers(2, 300),
+    bidirectional=st.booleans(),
+    causal=st.booleans(),
+    offset=st.integers(0, 400),
+)
+def test_bias_rows_read_hfs_buckets(buckets: int, max_distance: int, bidirectional: bool, causal: bool, offset: int):
+    """φ(δ) as the SDPA path reads it from the plan equals HF's _relative_position_bucket(j − i) at every offset a
+    call at this query offset reaches (causal plans: where causality lets a key through)."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    exact = (buckets // 2 if bidirectional else buckets) // 2
+    assume(exact >= 1 and max_distance > exact)
+    state = hf_t5._State(None, buckets, max_distance, bidirectional)
+    delta = (torch.arange(offset, offset + 3)[:, None] - torch.arange(offset + 3)).flatten()
+    delta = torch.cat([delta, torch.tensor([0, 1, max_distance, 4 * max_distance, 1 << 20])])
+    delta = delta[delta >= 0] if causal else torch.cat([delta, -delta])
+    expected = T5Attention._relative_position_bucket(-delta, bidirectional, buckets, max_distance)
+    assert torch.equal(state.rows(causal, delta), expected)
+
+
 # -------------------------------------------------------------------------------------------------------- generation
 
 
 @SLOW
+@pytest.mark.parametrize("decode", ["rows", "kernels"])
 @pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic", "static"])
-def test_generate_matches_hf(cache: str | None) -> None:
+def test_generate_matches_hf(cache: str | None, decode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy generate() with the dynamic and the static cache: HF's tokens, and each step's logits to fp32
-    rounding (positions come from the cache; the static cache's unfilled keys stay masked)."""
+    rounding (positions come from the cache; the static cache's unfilled keys stay masked). Each decode step on
+    SDPA over its bias rows (the default), and on the kernels (ROW_QUERIES = 0)."""
+    if decode == "kernels":
+        monkeypatch.setattr(hf_t5, "ROW_QUERIES", 0)
     model = _model(initializer_factor=4.0)  # a larger init, so that greedy tokens vary from step to step
     reference = copy.deepcopy(model)
     relgen.integrations.patch(model)
@@ -240,10 +304,11 @@ def test_generate_matches_hf(cache: str | None) -> None:
         return_dict_in_generate=True,
         output_logits=True,
     )
-    with _relgen_warnings() as messages:
+    with _relgen_warnings() as messages, _kernel_calls() as calls:
         out = model.generate(**options)
     expected = reference.generate(**options)
     assert messages == []
+    assert calls.count(True) == (0 if decode == "rows" else 6 * 2)  # 6 steps, 2 decoder layers
     assert torch.equal(out.sequences, expected.sequences)
     assert len(set(expected.sequences[:, 1:].flatten().tolist())) > 2
     for i, (actual, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
@@ -400,14 +465,15 @@ def test_mt5_matches_hf() -> None:
 
 
 @pytest.mark.gpu
-def test_autocast_bf16_is_as_close_as_hfs_own() -> None:
+@pytest.mark.parametrize("m", [M, hf_t5.ROW_QUERIES], ids=["kernels", "rows"])
+def test_autocast_bf16_is_as_close_as_hfs_own(m: int) -> None:
     """Under autocast the projections are bf16 while the bias table stays fp32: relgen's logits lie as close to
-    the float64 model as HF's own autocast run does."""
+    the float64 model as HF's own autocast run does, the decoder on the kernels and on SDPA over its bias rows."""
     model = _model().cuda()
     untouched = copy.deepcopy(model)
     reference = copy.deepcopy(model).double()
     relgen.integrations.patch(model)
-    batch = {name: t.cuda() for name, t in _batch(N, M).items()}
+    batch = {name: t.cuda() for name, t in _batch(N, m).items()}
     with torch.no_grad():
         expected = reference(**batch).logits
         with torch.autocast("cuda", dtype=torch.bfloat16):

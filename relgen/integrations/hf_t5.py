@@ -21,6 +21,13 @@ so that no bias is computed; the attention function then calls relgen with `key_
 the cache. A static cache's keys beyond its filled length lie after every query, so causality masks them (and
 so does the padding mask, when one is given: HF pads it with False to the cache's length).
 
+A call of at most `ROW_QUERIES` queries (a decode step of `generate()`, a short decoder) is served by torch's SDPA
+over its bias rows b_h[φ(δ)], [1, H, Nq, Nk] ([B, H, Nq, Nk] with padding or a static cache), φ read from the
+mechanism's plan (β(clip(δ, L, U) − L), as the kernels read it) with HF's masked scores (finfo.min). At that Nq the
+rows are linear in Nk, and one SDPA launch a layer costs the host less than the checks and launches of a kernel
+call, which decide a decode step. Without gradients a stack forms its rows once per call and its layers share them
+(as HF's block 0 shares its bias).
+
 A query with no key (decoder rows before the first real token under left padding) is what HF makes of it: every
 score gets finfo.min, so its softmax is uniform over all Nk keys and its output mean_j v_j, and the backward
 through that softmax reaches q and k (dS_ij = (do_i·(v_j − v̄))/Nk, torch SDPA's gradient; HF's eager attention
@@ -52,6 +59,9 @@ from relgen.integrations._hf import wants_attentions
 FAMILY = "t5"
 #: the name under which the attention and mask functions are registered with transformers
 IMPLEMENTATION = "relgen_t5"
+#: calls of at most this many queries run SDPA over their bias rows (see the module's docstring): a decode step's
+#: one query fills 1/64 of the kernels' smallest query tile, and its call is bound by the host
+ROW_QUERIES = 16
 _HF_CLASSES = frozenset(
     {("T5Attention", "transformers.models.t5.modeling_t5"), ("MT5Attention", "transformers.models.mt5.modeling_mt5")}
 )
@@ -75,6 +85,7 @@ class _State:
     max_distance: int
     bidirectional: bool
     mechanisms: dict[bool, Any] = field(default_factory=dict, compare=False)  # by causal
+    copy_maps: dict[tuple[bool, torch.device], torch.Tensor] = field(default_factory=dict, compare=False)
 
     def spec(self, causal: bool) -> dict[str, Any]:
         direction = "bidirectional" if self.bidirectional else "unidirectional"
@@ -100,6 +111,15 @@ class _State:
 
             fn = self.mechanisms[causal] = relgen.compile_mechanism(self.spec(causal))
         return fn
+
+    def rows(self, causal: bool, delta: torch.Tensor) -> torch.Tensor:
+        """φ(δ), the table row each offset reads, as the kernels read it: β(clip(δ, L, U) − L) from the plan (a `t5`
+        map's saturation is always proven)."""
+        plan = self.mechanism(causal).plan
+        beta = self.copy_maps.get((causal, delta.device))
+        if beta is None:
+            beta = self.copy_maps[causal, delta.device] = torch.tensor(plan.copy_map, device=delta.device)
+        return beta[delta.clamp(plan.saturation_low, plan.saturation_high) - plan.saturation_low]
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a compiled mechanism holds its generated module, which cannot be copied: a deep copy (or a pickle) of a
@@ -138,6 +158,7 @@ class _Mask:
         self.causal = {causal_mask_function: True, bidirectional_mask_function: False}.get(pattern)
         self._dense: dict[str | None, Any] = {}
         self._additive: dict[torch.dtype, torch.Tensor | None] = {}
+        self._rows: dict[torch.dtype, torch.Tensor] = {}
 
     def unserved(self) -> str | None:
         if self.causal is None:
@@ -184,6 +205,27 @@ class _Mask:
                 additive = additive.masked_fill(~keys, torch.finfo(dtype).min)[:, None, None, :]
             self._additive[dtype] = additive
         return self._additive[dtype]
+
+    def bias_rows(self, relation: _Relation, dtype: torch.dtype) -> torch.Tensor:
+        """The scores' additive term of a call served by SDPA: b_h[φ(δ)] where a key is visible, finfo.min where
+        it is masked (causality, padding); [1, H, Nq, Nk], or [B, H, Nq, Nk] where keys are masked. Formed once per
+        stack call and dtype without gradients (every layer reads block 0's table), per layer with them, so that
+        the table's gradient is autograd's through each layer's use."""
+        if torch.is_grad_enabled() or dtype not in self._rows:
+            table = relation.table  # [num_buckets, H]
+            queries = torch.arange(self.q_length, device=table.device) + self.q_offset
+            delta = queries[:, None] - torch.arange(self.kv_length, device=table.device)  # kv_offset is 0
+            bias = table[relation.state.rows(bool(self.causal), delta)].permute(2, 0, 1)[None].to(dtype)
+            visible = delta >= 0 if self.causal else None
+            keys = self.key_padding_mask
+            if keys is not None:
+                visible = keys[:, None, None, :] if visible is None else keys[:, None, None, :] & visible
+            if visible is not None:
+                bias = torch.where(visible, bias, torch.finfo(dtype).min)
+            if torch.is_grad_enabled():
+                return bias
+            self._rows[dtype] = bias
+        return self._rows[dtype]
 
     def dense(self, implementation: str | None) -> Any:
         """The mask HF builds for `implementation` (None where HF builds none)."""
@@ -374,6 +416,8 @@ def _attention(
     keys = mask.key_padding_mask
     if position_bias.table is None:
         out = _plain(query, key, value, mask.additive(query.dtype), dropout, scale)
+    elif mask.q_length <= ROW_QUERIES:
+        out = _plain(query, key, value, mask.bias_rows(position_bias, query.dtype), dropout, scale)
     else:
         fn = position_bias.state.mechanism(causal=bool(mask.causal))
         out = fn(
@@ -409,8 +453,9 @@ def _own_attention(
 def _plain(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None, dropout: float, scale: float
 ) -> torch.Tensor:
-    """Cross-attention: HF's additive padding mask as [B, 1, 1, Nk] (_Mask.additive) rather than [B, H, Nq, Nk]. A
-    query whose keys are all padding gets HF's uniform softmax, the scores all being finfo.min."""
+    """SDPA with an additive term: cross-attention's padding mask as [B, 1, 1, Nk] (_Mask.additive) rather than
+    [B, H, Nq, Nk], or a short call's bias rows (_Mask.bias_rows). A query whose keys are all masked gets HF's
+    uniform softmax, its scores all being finfo.min."""
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, scale=scale)
 
 
