@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 from triton._C.libtriton import native_specialize_impl
@@ -244,6 +245,27 @@ def test_unspecialised_integers_reuse_the_compiled_kernel_until_their_width_chan
         launcher[(1,)](x, n, True, BLOCK=32)
     assert paths(kernel) == ["triton", "fast", "fast", "fast", "triton", "fast"]
     assert kernel.log[2][2][1] == 32  # the fast path passes the value itself
+
+
+def test_an_interpreted_kernels_launches_are_keyed_as_the_compiled_kernels():
+    """Triton's interpreter keeps the decorator's arguments as given (`kwargs`) and parses no parameters: the
+    keys read from it (those of benchmarks/host_time.py's stubbed launches) are the compiled kernel's, an
+    unspecialised integer by its width and a constexpr one by its value."""
+
+    def fn(X, seed, n, BLOCK: tl.constexpr = 16):
+        pass
+
+    interpreted = type("InterpretedFunction", (), {"fn": staticmethod(fn), "kwargs": {"do_not_specialize": ["seed"]}})
+    compiled = type("JITFunction", (), {"fn": staticmethod(fn), "do_not_specialize": ["seed"]})
+    compiled.params = [type("Param", (), {"is_constexpr": name == "BLOCK"})() for name in ("X", "seed", "n", "BLOCK")]
+    x = torch.zeros(32, dtype=torch.float16)
+    for args in ((x, 5, 17, 64), (x, 6, 17, 64), (x, 6, 18, 64), (x, 6, 17, 32)):
+        keys = [Launcher(kernel()).key(args, {}) for kernel in (interpreted, compiled)]
+        classes = [Launcher(kernel()).class_key(args, {}) for kernel in (interpreted, compiled)]
+        assert keys[0] == keys[1] and classes[0] == classes[1]
+    launcher = Launcher(interpreted())
+    assert launcher.key((x, 5, 17, 64), {}) == launcher.key((x, 6, 17, 64), {})
+    assert launcher.class_key((x, 5, 17, 64), {}) != launcher.class_key((x, 5, 17, 32), {})
 
 
 def test_tuple_arguments_take_the_compiled_kernel_until_an_element_changes(on_device):

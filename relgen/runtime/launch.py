@@ -100,12 +100,17 @@ class Launcher:
         self._lock = threading.Lock()  # calls from several threads share the kept kernels
         self._interpreted = type(kernel).__name__ == "InterpretedFunction"
         self._tail: tuple[int, list[str], list[Any]] = (-1, [], [])
-        names = list(inspect.signature(kernel.fn).parameters)
-        unspecialised = getattr(kernel, "do_not_specialize", ())
+        parameters = list(inspect.signature(kernel.fn).parameters.values())
+        # the interpreter's kernels keep the decorator's arguments as given, and no parsed parameters: read alike,
+        # the keys of benchmarks/host_time.py's stubbed launches (on the CPU) are those of the GPU's launches
+        options = getattr(kernel, "kwargs", {})
+        unspecialised = getattr(kernel, "do_not_specialize", None) or options.get("do_not_specialize") or ()
         #: positions of the parameters Triton does not specialise on (names or positions in do_not_specialize)
-        self._by_width = tuple(i for i, name in enumerate(names) if name in unspecialised or i in unspecialised)
+        self._by_width = tuple(i for i, p in enumerate(parameters) if p.name in unspecialised or i in unspecialised)
         #: positions of constexpr parameters: a value given there is compiled in, so class_key keeps it
-        self._by_value = frozenset(i for i, p in enumerate(getattr(kernel, "params", ())) if p.is_constexpr)
+        params = getattr(kernel, "params", None)
+        constexpr = [p.is_constexpr for p in params] if params is not None else map(_is_constexpr, parameters)
+        self._by_value = frozenset(i for i, is_constexpr in enumerate(constexpr) if is_constexpr)
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -193,6 +198,11 @@ class Launcher:
             tail = self._tail = (given, [p.name for p in rest], [p.default for p in rest])
         _, names, defaults = tail
         return map(kwargs.get, names, defaults)
+
+
+def _is_constexpr(parameter: inspect.Parameter) -> bool:
+    # as Triton's KernelParam.is_constexpr reads the annotation (a class, or a string under postponed annotations)
+    return "constexpr" in str(parameter.annotation)
 
 
 def _device() -> int | None:
