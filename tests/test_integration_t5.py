@@ -238,6 +238,27 @@ def _kernel_calls() -> Iterator[list[bool]]:
         yield calls
 
 
+@contextmanager
+def _sdpa_masks() -> Iterator[list[torch.Tensor]]:
+    """The attn_mask of every torch SDPA call inside the block."""
+    masks: list[torch.Tensor] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+        yield masks
+
+
+def _fused_kernels_take(masks: list[torch.Tensor]) -> bool:
+    """Whether every mask has unit stride along the keys, without which torch's fused SDPA kernels refuse it on a
+    GPU and SDPA runs its math path (several launches a call)."""
+    return all(mask is None or mask.stride(-1) == 1 for mask in masks)
+
+
 @SLOW
 def test_short_decoder_runs_sdpa_over_its_bias_rows_and_matches_hf() -> None:
     """A decoder of at most ROW_QUERIES queries is served by SDPA over the bias rows: logits and every gradient
@@ -247,10 +268,11 @@ def test_short_decoder_runs_sdpa_over_its_bias_rows_and_matches_hf() -> None:
     reference = copy.deepcopy(model).double()
     relgen.integrations.patch(model)
     batch = _batch(N, hf_t5.ROW_QUERIES)
-    with _relgen_warnings() as messages, _kernel_calls() as calls:
+    with _relgen_warnings() as messages, _kernel_calls() as calls, _sdpa_masks() as masks:
         patched = _step(model, batch)
     assert messages == []
     assert calls == [False, False]  # the encoder's two layers
+    assert len(masks) == 4 and _fused_kernels_take(masks)  # two layers' self- and cross-attention
     _assert_matches(patched, _step(reference, batch))
 
 
@@ -304,11 +326,13 @@ def test_generate_matches_hf(cache: str | None, decode: str, monkeypatch: pytest
         return_dict_in_generate=True,
         output_logits=True,
     )
-    with _relgen_warnings() as messages, _kernel_calls() as calls:
+    with _relgen_warnings() as messages, _kernel_calls() as calls, _sdpa_masks() as masks:
         out = model.generate(**options)
     expected = reference.generate(**options)
     assert messages == []
     assert calls.count(True) == (0 if decode == "rows" else 6 * 2)  # 6 steps, 2 decoder layers
+    # rows: the 8-token encoder's two layers too, then each step's self- and cross-attention in two layers
+    assert len(masks) == (2 + 6 * 4 if decode == "rows" else 6 * 2) and _fused_kernels_take(masks)
     assert torch.equal(out.sequences, expected.sequences)
     assert len(set(expected.sequences[:, 1:].flatten().tolist())) > 2
     for i, (actual, want) in enumerate(zip(out.logits, expected.logits, strict=True)):

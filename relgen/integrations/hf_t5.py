@@ -22,8 +22,8 @@ the cache. A static cache's keys beyond its filled length lie after every query,
 so does the padding mask, when one is given: HF pads it with False to the cache's length).
 
 A call of at most `ROW_QUERIES` queries (a decode step of `generate()`, a short decoder) is served by torch's SDPA
-over its bias rows b_h[φ(δ)], [1, H, Nq, Nk] ([B, H, Nq, Nk] with padding or a static cache), φ read from the
-mechanism's plan (β(clip(δ, L, U) − L), as the kernels read it) with HF's masked scores (finfo.min). At that Nq the
+over its bias rows b_h[φ(δ)], [1, H, Nq, Nk] ([B, H, Nq, Nk] where keys are padded), φ read from the mechanism's
+plan (β(clip(δ, L, U) − L), as the kernels read it), finfo.min where HF masks a score. At that Nq the
 rows are linear in Nk, and one SDPA launch a layer costs the host less than the checks and launches of a kernel
 call, which decide a decode step. Without gradients a stack forms its rows once per call and its layers share them
 (as HF's block 0 shares its bias).
@@ -215,7 +215,9 @@ class _Mask:
             table = relation.table  # [num_buckets, H]
             queries = torch.arange(self.q_length, device=table.device) + self.q_offset
             delta = queries[:, None] - torch.arange(self.kv_length, device=table.device)  # kv_offset is 0
-            bias = table[relation.state.rows(bool(self.causal), delta)].permute(2, 0, 1)[None].to(dtype)
+            # [1, H, Nq, Nk] with unit stride along the keys: on a GPU, torch's fused SDPA kernels take no mask
+            # without it (the math path's launches would decide the step)
+            bias = table.t()[:, relation.state.rows(bool(self.causal), delta)][None].to(dtype).contiguous()
             visible = delta >= 0 if self.causal else None
             keys = self.key_padding_mask
             if keys is not None:
