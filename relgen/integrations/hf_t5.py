@@ -11,15 +11,15 @@ Self-attention scores are q_i·k_j + b_h[bucket(j − i)], τ = 1, b being block
 `t5` with the config's `relative_attention_num_buckets` and `relative_attention_max_distance`, bidirectional in the
 encoder, unidirectional and causal in the decoder, as relgen's `bias` table (cast to q's dtype under autocast).
 
-Nothing [Nq, Nk]-sized is built. HF's block 0 computes a dense [1, H, Nq, Nk] bias that later layers reuse,
-cross-attention adds [1, H, Nq, Nk] zeros, and the stacks build [B, 1, Nq, Nk] masks. Patching switches each
-stack's `config._attn_implementation` to ``relgen_t5`` (`unpatch` switches it back), registered with transformers
-both as a mask function, which keeps the arguments HF's mask would be made from (the [B, Nk] padding, the query
-offset the cache reports, the key length), and as the attention function. A patched module runs the model's own
-forward (projections, cache updates) with a marker as `position_bias` (block 0's table; none in cross-attention),
-so that no bias is computed; the attention function then calls relgen with `key_padding_mask` and `q_offset` from
-the cache. A static cache's keys beyond its filled length lie after every query, so causality masks them (and
-so does the padding mask, when one is given: HF pads it with False to the cache's length).
+Nothing [Nq, Nk]-sized is built beyond a short call's bias rows (below). HF's block 0 computes a dense [1, H, Nq, Nk]
+bias that later layers reuse, cross-attention adds [1, H, Nq, Nk] zeros, and the stacks build [B, 1, Nq, Nk] masks.
+Patching switches each stack's `config._attn_implementation` to ``relgen_t5`` (`unpatch` switches it back), registered
+with transformers both as a mask function, which keeps the arguments HF's mask would be made from (the [B, Nk]
+padding, the query offset the cache reports, the key length), and as the attention function. A patched module runs the
+model's own forward (projections, cache updates) with a marker as `position_bias` (block 0's table; none in
+cross-attention), so that no bias is computed; the attention function then calls relgen with `key_padding_mask` and
+`q_offset` from the cache. A static cache's keys beyond its filled length lie after every query, so causality masks
+them (and so does the padding mask, when one is given: HF pads it with False to the cache's length).
 
 A call of at most `ROW_QUERIES` queries (a decode step of `generate()`, a short decoder) is served by torch's SDPA
 over its bias rows b_h[φ(δ)], [1, H, Nq, Nk] ([B, H, Nq, Nk] where keys are padded), φ read from the mechanism's
