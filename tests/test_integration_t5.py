@@ -276,6 +276,24 @@ def test_short_decoder_runs_sdpa_over_its_bias_rows_and_matches_hf() -> None:
     _assert_matches(patched, _step(reference, batch))
 
 
+@SLOW
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_short_decoder_under_gradient_checkpointing_matches_hf(reentrant: bool) -> None:
+    """Under gradient checkpointing a layer's forward runs again in the backward: the bias rows its first run formed
+    must not stand in for the second's (a reentrant checkpoint runs the first without gradients), and the table's
+    gradient still sums over the layers."""
+    model = _model().train()
+    reference = copy.deepcopy(model).double()
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    relgen.integrations.patch(model)
+    batch = {**_batch(N, 8), "use_cache": False}
+    with _relgen_warnings() as messages:
+        patched = _step(model, batch)
+    assert messages == []
+    _assert_matches(patched, _step(reference, batch))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     buckets=st.integers(2, 64),
