@@ -205,3 +205,24 @@ def test_saturated_tiles_and_scored_pairs_by_brute_force(name, left, right, nq, 
     assert geo.scored_pairs >= 2 * len(admitted)
     if left is None and right is None and not causal:
         assert geo.scored_pairs == 2 * nq * nk
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(["shaw", "t5", "t5_decoder", "deberta_v3", "wav2vec2_bert"]),
+    delta=st.lists(st.integers(-5000, 5000), min_size=1, max_size=40),
+)
+def test_offset_rows_are_the_maps_rows(name: str, delta: list[int]):
+    """Mechanism.offset_rows (β(clip(δ, L, U) − L) on the device) gives the map's own row of every offset, far ones
+    included; a causal plan's, of every offset its causality admits."""
+    spec = relgen.load_spec(ROOT / "specs" / f"{name}.yaml")
+    fn = relgen.compile_mechanism(spec)
+    offsets = torch.tensor([d for d in delta if d >= 0 or not spec.causal] or [0])
+    expected = torch.as_tensor(spec.map.row_ids(offsets.numpy(), 1))
+    assert torch.equal(fn.offset_rows(offsets), expected)
+
+
+def test_offset_rows_refuse_a_length_dependent_map():
+    fn = relgen.compile_mechanism(relgen.load_spec(ROOT / "specs" / "txl.yaml"))
+    with pytest.raises(NotImplementedError, match="depend on the length"):
+        fn.offset_rows(torch.tensor([0, 1]))

@@ -303,18 +303,18 @@ def test_short_decoder_under_gradient_checkpointing_matches_hf(reentrant: bool) 
     offset=st.integers(0, 400),
 )
 def test_bias_rows_read_hfs_buckets(buckets: int, max_distance: int, bidirectional: bool, causal: bool, offset: int):
-    """φ(δ) as the SDPA path reads it from the plan equals HF's _relative_position_bucket(j − i) at every offset a
-    call at this query offset reaches (causal plans: where causality lets a key through)."""
+    """φ(δ) as the SDPA path reads it (Mechanism.offset_rows) equals HF's _relative_position_bucket(j − i) at every
+    offset a call at this query offset reaches (causal plans: where causality lets a key through)."""
     from transformers.models.t5.modeling_t5 import T5Attention
 
     exact = (buckets // 2 if bidirectional else buckets) // 2
     assume(exact >= 1 and max_distance > exact)
-    state = hf_t5._State(None, buckets, max_distance, bidirectional)
+    mechanism = hf_t5._State(None, buckets, max_distance, bidirectional).mechanism(causal)
     delta = (torch.arange(offset, offset + 3)[:, None] - torch.arange(offset + 3)).flatten()
     delta = torch.cat([delta, torch.tensor([0, 1, max_distance, 4 * max_distance, 1 << 20])])
     delta = delta[delta >= 0] if causal else torch.cat([delta, -delta])
     expected = T5Attention._relative_position_bucket(-delta, bidirectional, buckets, max_distance)
-    assert torch.equal(state.rows(causal, delta), expected)
+    assert torch.equal(mechanism.offset_rows(delta), expected)
 
 
 # -------------------------------------------------------------------------------------------------------- generation

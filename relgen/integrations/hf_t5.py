@@ -85,7 +85,6 @@ class _State:
     max_distance: int
     bidirectional: bool
     mechanisms: dict[bool, Any] = field(default_factory=dict, compare=False)  # by causal
-    copy_maps: dict[tuple[bool, torch.device], torch.Tensor] = field(default_factory=dict, compare=False)
 
     def spec(self, causal: bool) -> dict[str, Any]:
         direction = "bidirectional" if self.bidirectional else "unidirectional"
@@ -111,15 +110,6 @@ class _State:
 
             fn = self.mechanisms[causal] = relgen.compile_mechanism(self.spec(causal))
         return fn
-
-    def rows(self, causal: bool, delta: torch.Tensor) -> torch.Tensor:
-        """φ(δ), the table row each offset reads, as the kernels read it: β(clip(δ, L, U) − L) from the plan (a `t5`
-        map's saturation is always proven)."""
-        plan = self.mechanism(causal).plan
-        beta = self.copy_maps.get((causal, delta.device))
-        if beta is None:
-            beta = self.copy_maps[causal, delta.device] = torch.tensor(plan.copy_map, device=delta.device)
-        return beta[delta.clamp(plan.saturation_low, plan.saturation_high) - plan.saturation_low]
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a compiled mechanism holds its generated module, which cannot be copied: a deep copy (or a pickle) of a
@@ -211,23 +201,25 @@ class _Mask:
         it is masked (causality, padding); [1, H, Nq, Nk], or [B, H, Nq, Nk] where keys are masked. Formed once per
         stack call and dtype without gradients (every layer reads block 0's table), per layer with them, so that
         the table's gradient is autograd's through each layer's use."""
-        if torch.is_grad_enabled() or dtype not in self._rows:
-            table = relation.table  # [num_buckets, H]
-            queries = torch.arange(self.q_length, device=table.device) + self.q_offset
-            delta = queries[:, None] - torch.arange(self.kv_length, device=table.device)  # kv_offset is 0
-            # [1, H, Nq, Nk] with unit stride along the keys: on a GPU, torch's fused SDPA kernels take no mask
-            # without it (the math path's launches would decide the step)
-            bias = table.t()[:, relation.state.rows(bool(self.causal), delta)][None].to(dtype).contiguous()
-            visible = delta >= 0 if self.causal else None
-            keys = self.key_padding_mask
-            if keys is not None:
-                visible = keys[:, None, None, :] if visible is None else keys[:, None, None, :] & visible
-            if visible is not None:
-                bias = torch.where(visible, bias, torch.finfo(dtype).min)
-            if torch.is_grad_enabled():
-                return bias
+        kept = not torch.is_grad_enabled()
+        if kept and dtype in self._rows:
+            return self._rows[dtype]
+        table = relation.table  # [num_buckets, H]
+        queries = torch.arange(self.q_length, device=table.device) + self.q_offset
+        delta = queries[:, None] - torch.arange(self.kv_length, device=table.device)  # kv_offset is 0
+        rows = relation.state.mechanism(bool(self.causal)).offset_rows(delta)
+        # [1, H, Nq, Nk] with unit stride along the keys: on a GPU, torch's fused SDPA kernels take no mask without
+        # it (the math path's launches would decide the step)
+        bias = table.t()[:, rows][None].to(dtype).contiguous()
+        visible = delta >= 0 if self.causal else None
+        if self.key_padding_mask is not None:
+            real = self.key_padding_mask[:, None, None, :]
+            visible = real if visible is None else real & visible
+        if visible is not None:
+            bias = torch.where(visible, bias, torch.finfo(dtype).min)
+        if kept:
             self._rows[dtype] = bias
-        return self._rows[dtype]
+        return bias
 
     def dense(self, implementation: str | None) -> Any:
         """The mask HF builds for `implementation` (None where HF builds none)."""

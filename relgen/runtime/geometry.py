@@ -92,6 +92,28 @@ class PlanInfo:
     def rows_at(self, length: int) -> int:
         return 2 * length - 1 if self.length_dependent else self.rows
 
+    def offset_rows(self, delta: torch.Tensor) -> torch.Tensor:
+        """φ(δ) for a tensor of offsets, on its device, as the kernels read it: β(clip(δ, L, U) − L). For maps whose
+        rows do not depend on the length and whose saturation is proven (else NotImplementedError)."""
+        if self.length_dependent or self.valid_up_to is not None or isinstance(self.copy_map, str):
+            raise NotImplementedError(
+                f"offset_rows: the rows of spec '{self.spec_name}' depend on the length, or its map is not proven "
+                "constant beyond the analysed window"
+            )
+        low, high = self.saturation_low, self.saturation_high
+        beta = self.device_constant(
+            ("beta", torch.long, high - low + 1, self.rows, low), delta.device, lambda: list(self.copy_map)
+        )
+        return beta[delta.clamp(low, high) - low]
+
+    def device_constant(self, key: tuple, device: torch.device, values: Callable[[], list[int]]) -> torch.Tensor:
+        """A small index tensor of the plan, built once per (key, device) and reused by every later call; key[1] is
+        its dtype."""
+        key = (*key, str(device))
+        if key not in self.constants:
+            self.constants[key] = _outside_graph_pools(lambda: torch.tensor(values(), dtype=key[1], device=device))
+        return self.constants[key]
+
     def bounds_at(self, length: int) -> tuple[int, int]:
         if not self.length_dependent:
             return self.saturation_low, self.saturation_high
@@ -454,13 +476,9 @@ class Geometry:
         )
 
     def _device_constant(self, name: str, dtype: torch.dtype, device: torch.device, values) -> torch.Tensor:
-        """A small index tensor of the plan, built once per (name, dtype, C, R, L, device) and reused by every later
-        call (they vary with the length only for identity maps)."""
-        key = (name, dtype, self.c, self.rows, self.low, str(device))
-        table = self.plan.constants
-        if key not in table:
-            table[key] = _outside_graph_pools(lambda: torch.tensor(values(), dtype=dtype, device=device))
-        return table[key]
+        """The plan's device constant (PlanInfo.device_constant) of this name at this call's C, R and L (they vary
+        with the length only for identity maps)."""
+        return self.plan.device_constant((name, dtype, self.c, self.rows, self.low), device, values)
 
     def gradient_widths(self) -> tuple[int, int]:
         """The row strides of dZ̃'s query and key views: the windows W (all R rows on the atomic path), rounded up

@@ -154,6 +154,12 @@ class Mechanism:
         #: fills in is one that Dynamo guards on, and the next call would be traced again
         self._refusals = {compiling: in_tile_refusal(self.plan, compiling=compiling) for compiling in (False, True)}
 
+    def offset_rows(self, delta: torch.Tensor) -> torch.Tensor:
+        """φ(δ), the table row of each offset in `delta` (an integer tensor), on its device, as the kernels read it;
+        for maps whose rows do not depend on the length (NotImplementedError otherwise). For a caller that forms a
+        few bias rows itself (a decode step's)."""
+        return self.module.PLAN.offset_rows(delta)
+
     def module_for(self, window: int) -> ModuleType:
         """The module planned for `window` (1 + the largest |δ| a call reaches): this spec's own, unless its map's
         saturation is unproven beyond a shorter window."""
